@@ -1,0 +1,73 @@
+"""Distributed setup: one process per GPU under torchrun (or one process on its own), rank-aware printing, seeding.
+
+Every run has a process group, also a single process without torchrun (a group of one): FSDP2 and the in-process
+vLLM engine (external_launcher) then take the same code path on 1 or N ranks.
+"""
+import os
+import random
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """Initialise the process group (nccl on GPU, gloo on CPU). Returns (rank, world_size, device)."""
+    if "RANK" not in os.environ:  # plain `python script.py`: a group of one on a free local port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    return rank, world_size, device
+
+
+def cleanup_distributed() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print0(*args, **kwargs) -> None:
+    """print on rank 0 only."""
+    if is_main():
+        print(*args, **kwargs, flush=True)
+
+
+def seed_everything(seed: int) -> None:
+    """The same seed on every rank, so that every rank builds the same initial weights (e.g. a value head).
+    Sampling streams differ per rank: the samplers take `seed + rank` for their own generators."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """All-reduce a tensor in place (float64 on the process group's device) and return it."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(x, op=ops[op])
+    return x
+
+
+def reduce_stats(values: dict, op: str = "sum", device=None) -> dict:
+    """Reduce a dict of floats over all ranks with one collective (op: sum, max or min)."""
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    return dict(zip(keys, all_reduce(t, op).tolist()))

@@ -1,0 +1,28 @@
+"""Evaluation: avg@k accuracy on each --eval-dataset file, with its own sampling settings (the study's: temperature
+0.6, top_p 0.95). Each rank samples its share of the problems; counts are summed over ranks."""
+import os
+
+from common.dist import reduce_stats
+from common.rewards import score_responses
+
+
+def evaluate(sampler, tokenizer, eval_sets: dict[str, list[dict]], k: int, temperature: float, top_p: float,
+             max_new_tokens: int, reward: str, rank: int, world_size: int, device) -> dict:
+    """eval_sets: name -> encoded problems (prompt_ids, answer). Returns {eval/<name>/accuracy: mean reward}."""
+    metrics = {}
+    for name, problems in eval_sets.items():
+        mine = problems[rank::world_size]
+        correct = 0.0
+        if mine:
+            out = sampler.generate([p["prompt_ids"] for p in mine], k, max_new_tokens, temperature, top_p)
+            texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+            answers = [p["answer"] for p in mine for _ in range(k)]
+            correct = sum(score_responses(texts, answers, out.finished, reward))
+        s = reduce_stats({"correct": correct, "n": len(mine) * k}, "sum", device)
+        metrics[f"eval/{name}/accuracy"] = s["correct"] / max(s["n"], 1.0)
+    return metrics
+
+
+def eval_name(path: str) -> str:
+    """eval/<name>/accuracy uses the file name without its extension."""
+    return os.path.splitext(os.path.basename(path))[0]

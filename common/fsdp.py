@@ -1,0 +1,63 @@
+"""FSDP2 wrapping of a Hugging Face causal LM, and gathering its full weights (for the sampler and checkpoints).
+
+fp32 master weights and optimizer states; compute in the train precision (MixedPrecisionPolicy.param_dtype);
+gradients reduced in fp32. `fully_shard` per decoder layer, then the root, on any number of ranks including 1.
+"""
+import os
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM
+
+from common.logprobs import PolicyModel
+
+
+def check_model_dir(path: str) -> None:
+    """Fail fast, before anything is loaded, on a model path that cannot be a Hugging Face model directory."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--model {path!r}: no such directory (give a local Hugging Face model directory)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"--model {path!r}: no config.json there, not a Hugging Face model directory")
+    if not os.access(os.path.join(path, "config.json"), os.R_OK):
+        raise PermissionError(f"--model {path!r}: config.json is not readable")
+
+
+def decoder_layers(lm: nn.Module) -> nn.ModuleList:
+    base = getattr(lm, lm.base_model_prefix)
+    if not hasattr(base, "layers") or not hasattr(lm, "lm_head"):
+        raise ValueError(f"{type(lm).__name__}: expected a decoder-only LM with .{lm.base_model_prefix}.layers and "
+                         ".lm_head (Llama/Qwen/Mistral-style)")
+    return base.layers
+
+
+def load_policy(path: str, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool,
+                attn_implementation: str = "sdpa") -> PolicyModel:
+    """Load fp32 master weights, shard them with FSDP2 and return the PolicyModel wrapper (the FSDP root)."""
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    if lm.lm_head.bias is not None:
+        raise ValueError("lm_head with a bias is not supported by the chunked log-prob head")
+    if gradient_checkpointing:
+        if hasattr(lm, "activation_checkpointing_enable"):  # the name since transformers 5.2x
+            lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lm.config.use_cache = False
+    model = PolicyModel(lm).to(device)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in decoder_layers(lm):
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)  # the root: embedding, final norm, lm_head (kept together: they may be tied)
+    return model
+
+
+@torch.no_grad()
+def iter_full_state(lm: nn.Module, dtype: torch.dtype | None = None, device: torch.device | None = None):
+    """Yield (Hugging Face name, full tensor) one parameter at a time: each sharded tensor is all-gathered on its own,
+    so at most one full tensor beyond the shards is alive. A collective: every rank must iterate to the end."""
+    for name, t in lm.state_dict().items():
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        yield name, (t.to(device) if device is not None else t)

@@ -1,0 +1,124 @@
+"""Trainer-side log-probs of sampled tokens, in fp32, without ever holding a micro-batch's full fp32 logits.
+
+The logits of N response tokens over a vocabulary V are N x V: at 16K tokens and V = 152K that is 10 GB in fp32.
+So the final projection runs over chunks of tokens, and with gradients each chunk is checkpointed (its logits are
+recomputed in the backward pass instead of kept).
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def _chunk_logprobs(hidden_NH, weight_VH, targets_N, temperature: float, with_entropy: bool):
+    logits_NV = F.linear(hidden_NH, weight_VH).float() / temperature  # fp32 from here on
+    logp_NV = torch.log_softmax(logits_NV, dim=-1)
+    logp_N = logp_NV.gather(-1, targets_N[:, None]).squeeze(-1)
+    if not with_entropy:
+        return logp_N, None
+    entropy_N = -(logp_NV.exp() * logp_NV).sum(-1)
+    return logp_N, entropy_N
+
+
+def chunked_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, temperature: float,
+                     chunk_size: int, with_entropy: bool = False):
+    """log softmax(hidden @ weight.T / temperature)[target] in fp32, computed `chunk_size` tokens at a time.
+    Returns (logp_N, entropy_N or None)."""
+    logps, ents = [], []
+    for i in range(0, hidden_NH.shape[0], chunk_size):
+        args = (hidden_NH[i:i + chunk_size], weight_VH, targets_N[i:i + chunk_size], temperature, with_entropy)
+        if torch.is_grad_enabled() and hidden_NH.requires_grad:
+            lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(*args)
+        logps.append(lp)
+        ents.append(ent)
+    if not logps:
+        empty = hidden_NH.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if with_entropy else None)
+    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+
+
+class PolicyModel(nn.Module):
+    """A Hugging Face causal LM whose forward returns the log-probs of the response tokens.
+
+    FSDP2 shards each decoder layer, then this wrapper as the root, which so owns the embedding, the final norm
+    and the lm_head (tied or not to the embedding). `self.lm` keeps the Hugging Face names for checkpoints and the
+    weight sync.
+    """
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids_BL, attention_mask_BL, response_mask_BT, temperature: float, chunk_size: int,
+                with_entropy: bool = False):
+        """input_ids_BL: prompt + response, right-padded. response_mask_BT: 1 on the response tokens, left-aligned
+        (row b holds response b's tokens at 0..len_b-1). Returns (logp_BT, entropy_BT or None), fp32, 0 off-mask."""
+        out = self.lm.model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, use_cache=False)
+        hidden_BLH = out.last_hidden_state
+        # Position j predicts token j+1: the response's tokens are predicted from the positions just before them.
+        is_resp_BL = response_positions(attention_mask_BL, response_mask_BT)
+        hidden_NH = hidden_BLH[:, :-1][is_resp_BL[:, 1:]]
+        targets_N = input_ids_BL[:, 1:][is_resp_BL[:, 1:]]
+        logp_N, ent_N = chunked_logprobs(hidden_NH, self.lm.lm_head.weight, targets_N, temperature, chunk_size,
+                                         with_entropy)
+        logp_BT = torch.zeros(response_mask_BT.shape, dtype=torch.float32, device=logp_N.device)
+        logp_BT = logp_BT.masked_scatter(response_mask_BT, logp_N)  # row-major order matches on both sides
+        ent_BT = None
+        if with_entropy:
+            ent_BT = torch.zeros_like(logp_BT).masked_scatter(response_mask_BT, ent_N)
+        return logp_BT, ent_BT
+
+
+def response_positions(attention_mask_BL: torch.Tensor, response_mask_BT: torch.Tensor) -> torch.Tensor:
+    """Boolean B x L mask of the response tokens inside the right-padded prompt+response rows."""
+    seq_len_B = attention_mask_BL.sum(-1)
+    resp_len_B = response_mask_BT.sum(-1)
+    pos_L = torch.arange(attention_mask_BL.shape[1], device=attention_mask_BL.device)
+    return (pos_L[None] >= (seq_len_B - resp_len_B)[:, None]) & (pos_L[None] < seq_len_B[:, None])
+
+
+def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device):
+    """Right-padded prompt+response rows. Returns input_ids_BL, attention_mask_BL, response_mask_BT (bool)."""
+    rows = [p + r for p, r in zip(prompts, responses)]
+    L, T = max(map(len, rows)), max(1, max(map(len, responses)))
+    input_ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), L), dtype=torch.long)
+    resp_mask = torch.zeros((len(rows), T), dtype=torch.bool)
+    for i, (row, r) in enumerate(zip(rows, responses)):
+        input_ids[i, :len(row)] = torch.tensor(row)
+        attn[i, :len(row)] = 1
+        resp_mask[i, :len(r)] = True
+    return input_ids.to(device), attn.to(device), resp_mask.to(device)
+
+
+def pad_float(rows: list[torch.Tensor], T: int, device) -> torch.Tensor:
+    """Left-aligned, zero-padded B x T fp32 tensor from per-sequence 1-D tensors."""
+    out = torch.zeros((len(rows), T), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out.to(device)
+
+
+def split_microbatches(lengths: list[int], token_budget: int, min_count: int = 1) -> list[list[int]]:
+    """Indices of sequences grouped into micro-batches whose padded size (rows x longest row) stays within
+    `token_budget` (a single longer row gets a micro-batch of its own). Sorted by length so padding is small.
+    `min_count` forces at least that many micro-batches: every rank must run the same number of forward/backward
+    passes under FSDP (each one is a collective), so the caller passes the maximum over ranks."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[cur[0]] > token_budget:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        groups.append(cur)
+    while len(groups) < min_count:  # split the largest group in two (needs min_count <= len(lengths))
+        j = max(range(len(groups)), key=lambda k: len(groups[k]))
+        if len(groups[j]) < 2:
+            raise ValueError(f"cannot make {min_count} micro-batches from {len(lengths)} sequences")
+        g = groups.pop(j)
+        groups[j:j] = [g[:len(g) // 2], g[len(g) // 2:]]
+    return groups

@@ -1,0 +1,45 @@
+"""The training-inference mismatch metrics of every step (ALGORITHMS.md), over all response tokens of the rollout
+batch on every rank: local sums / maxes / mins here, reduced across ranks by common.dist.reduce_stats."""
+import torch
+
+
+def mismatch_stats(old_logp_BT: torch.Tensor, mu_logp_BT: torch.Tensor, mask_BT: torch.Tensor, threshold: float,
+                   seq_ratio: bool) -> tuple[dict, dict, dict]:
+    """old_logp: the trainer's recompute (pi_old), mu_logp: the sampler's own log-probs, both fp32.
+    Returns (sums, maxes, mins); means are sums divided by the counts `n_tokens` / `n_seqs` after reduction.
+    is/ratio_* are over the token ratios exp(old - mu), or over the sequence ratios rho when `seq_ratio`."""
+    m = mask_BT.float()
+    d = (old_logp_BT - mu_logp_BT) * m  # log pi_old - log mu, 0 off the mask
+    prob_diff = (mu_logp_BT.exp() - old_logp_BT.exp()).abs() * m
+    seq_log_ratio_B = d.sum(-1)  # log rho_i
+    tok_ratio = torch.exp(d)
+    sums = {
+        "n_tokens": m.sum(), "n_seqs": torch.tensor(float(mask_BT.shape[0])),
+        "kl_k1": (-d).sum(), "kl_k2": (0.5 * d ** 2).sum(), "kl_k3": ((torch.expm1(d) - d) * m).sum(),
+        "prob_abs_diff": prob_diff.sum(), "seq_log_ratio": seq_log_ratio_B.sum(),
+        "token_clip": ((tok_ratio > threshold) & mask_BT).sum(),
+        "seq_mask": (seq_log_ratio_B > torch.log(torch.tensor(threshold))).sum(),
+    }
+    if seq_ratio:
+        rho_B = torch.exp(seq_log_ratio_B)
+        sums["ratio"], ratio_max = rho_B.sum(), rho_B.max()
+    else:
+        sums["ratio"], ratio_max = (tok_ratio * m).sum(), tok_ratio.masked_fill(~mask_BT, 0).max()
+    maxes = {"prob_abs_diff": prob_diff.max(), "seq_log_ratio": seq_log_ratio_B.max(), "ratio": ratio_max}
+    mins = {"seq_log_ratio": seq_log_ratio_B.min()}
+    as_float = lambda dct: {k: float(v) for k, v in dct.items()}
+    return as_float(sums), as_float(maxes), as_float(mins)
+
+
+def mismatch_metrics(sums: dict, maxes: dict, mins: dict, seq_ratio: bool) -> dict:
+    """Metric keys of ALGORITHMS.md from reduced statistics."""
+    n_tok, n_seq = max(sums["n_tokens"], 1.0), max(sums["n_seqs"], 1.0)
+    return {
+        "mismatch/kl_k1": sums["kl_k1"] / n_tok, "mismatch/kl_k2": sums["kl_k2"] / n_tok,
+        "mismatch/kl_k3": sums["kl_k3"] / n_tok,
+        "mismatch/prob_abs_diff_mean": sums["prob_abs_diff"] / n_tok, "mismatch/prob_abs_diff_max": maxes["prob_abs_diff"],
+        "mismatch/seq_log_ratio_mean": sums["seq_log_ratio"] / n_seq,
+        "mismatch/seq_log_ratio_min": mins["seq_log_ratio"], "mismatch/seq_log_ratio_max": maxes["seq_log_ratio"],
+        "is/token_clip_frac": sums["token_clip"] / n_tok, "is/seq_mask_frac": sums["seq_mask"] / n_seq,
+        "is/ratio_mean": sums["ratio"] / (n_seq if seq_ratio else n_tok), "is/ratio_max": maxes["ratio"],
+    }
