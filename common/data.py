@@ -1,0 +1,168 @@
+"""Prompt datasets: load {problem, answer} rows from disk and turn them into token ids."""
+
+import json
+import os
+import string
+from functools import lru_cache
+
+# the instruction the DeepSeek-R1 distilled models were trained with
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+PROBLEM_FIELDS = ("problem", "prompt", "question")  # first one present wins
+ANSWER_FIELDS = ("answer", "solution")
+
+
+# ----------------------------------------------------------------------------
+# loading
+
+
+def _read_rows(path: str) -> list[tuple[str, object]]:
+    """(where, row) pairs; `where` says where a row came from, for error messages."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".jsonl":
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append((f"line {lineno}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: line {lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        return rows
+    if ext == ".json":
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
+        return [(f"row {i} (0-based)", row) for i, row in enumerate(data)]
+    if ext == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            data = pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow raises several types for a bad file
+            raise ValueError(f"{path}: could not read parquet file ({type(e).__name__}: {e})".replace("\n", " ")) from None
+        return [(f"row {i} (0-based)", row) for i, row in enumerate(data)]
+    raise ValueError(f"{path}: unknown dataset file extension {ext!r} (expected .jsonl, .json or .parquet)")
+
+
+def _pick_field(row: dict, names: tuple, what: str, where: str) -> str:
+    for name in names:
+        value = row.get(name)
+        if value is None:  # absent (or null, e.g. a parquet column missing in this row)
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)  # numeric answers like 42 or 0.5
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: field {name!r} should be a string, got {type(value).__name__}")
+        if not value.strip():
+            raise ValueError(f"{where}: field {name!r} is empty")
+        return value
+    raise ValueError(f"{where}: missing the {what} (accepted field names: {', '.join(names)}; found: {', '.join(row) or 'none'})")
+
+
+def load_problems(path: str) -> list[dict]:
+    """Rows of a .jsonl / .json / .parquet file as [{"problem": str, "answer": str}, ...].
+
+    An answer may be a short final answer ("42", "\\frac{1}{2}") or a full worked solution
+    ending in \\boxed{...}; it is kept as is, the reward function extracts the last box.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    problems = []
+    for where, row in _read_rows(path):
+        where = f"{path}: {where}"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        problem = _pick_field(row, PROBLEM_FIELDS, "problem", where)
+        answer = _pick_field(row, ANSWER_FIELDS, "answer", where)
+        problems.append({"problem": problem, "answer": answer})
+    if not problems:
+        raise ValueError(f"{path}: no problems found (the dataset is empty)")
+    return problems
+
+
+# ----------------------------------------------------------------------------
+# prompts -> token ids
+
+
+@lru_cache(maxsize=16)  # validate each template once, not once per problem
+def _check_template(template: str) -> None:
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as e:
+        raise ValueError(
+            f"bad prompt template {template!r}: {e} (write a literal brace as {{{{ or }}}})"
+        ) from None
+    if "problem" not in fields:
+        raise ValueError(f"prompt template {template!r} has no {{problem}} field, e.g. \"{{problem}}\\n{{instruction}}\\n\"")
+    unknown = fields - {"problem", "instruction"}
+    if unknown:
+        raise ValueError(
+            f"prompt template {template!r} has unknown fields {sorted(unknown)} "
+            f"(allowed: {{problem}}, {{instruction}}; write a literal brace as {{{{ or }}}})"
+        )
+
+
+def format_prompt(tokenizer, problem: str, template: str) -> list[int]:
+    """Token ids of the prompt for one problem.
+
+    template == "chat": the tokenizer's chat template with the problem + INSTRUCTION as the user turn.
+    Otherwise a format string with {problem} and optionally {instruction}, e.g. "{problem}\\n{instruction}\\n".
+    """
+    if template == "chat":
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "this tokenizer has no chat template; pass a raw template instead, "
+                'e.g. --prompt-template "{problem}\\n{instruction}\\n"'
+            )
+        messages = [{"role": "user", "content": f"{problem} {INSTRUCTION}"}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding, 4.x a plain list
+            ids = ids["input_ids"]
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        if ids and isinstance(ids[0], list):  # a batch of one
+            ids = ids[0]
+        return [int(t) for t in ids]
+
+    _check_template(template)
+    text = template.format(problem=problem, instruction=INSTRUCTION)
+    # add_special_tokens=True gives BOS to tokenizers that want it (Llama) and nothing to those
+    # that don't (Qwen). A few also append EOS, which would tell the model it is already done.
+    ids = tokenizer.encode(text, add_special_tokens=True)
+    eos = tokenizer.eos_token_id
+    if ids and eos is not None and ids[-1] == eos and eos != tokenizer.bos_token_id:
+        ids = ids[:-1]
+    return list(ids)
+
+
+def encode_problems(tokenizer, problems: list[dict], template: str, max_prompt_len: int, name: str = "dataset") -> list[dict]:
+    """[{"prompt_ids", "answer", "problem"}, ...]; prompts over max_prompt_len tokens are skipped, never cut."""
+    if not problems:
+        raise ValueError(f"[data] {name}: no problems to encode")
+    if template != "chat":
+        _check_template(template)
+    encoded, n_skipped, longest = [], 0, 0
+    for p in problems:
+        ids = format_prompt(tokenizer, p["problem"], template)
+        longest = max(longest, len(ids))
+        if len(ids) > max_prompt_len:
+            n_skipped += 1  # a cut prompt would ask a different (or no) question
+            continue
+        encoded.append({"prompt_ids": ids, "answer": p["answer"], "problem": p["problem"]})
+    if not encoded:
+        raise ValueError(
+            f"[data] {name}: all {len(problems)} prompts are longer than {max_prompt_len} tokens "
+            f"(longest {longest}); raise --max-prompt-len"
+        )
+    if n_skipped:
+        print(
+            f"[data] {name}: skipped {n_skipped} of {len(problems)} prompts longer than "
+            f"{max_prompt_len} tokens (longest {longest})"
+        )
+    return encoded

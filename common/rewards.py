@@ -1,0 +1,320 @@
+"""Rule-based rewards: did the response get the right final answer?
+
+math_reward checks the last \\boxed{...} of a response against the gold answer
+with the math-verify library (so 0.5 == \\frac{1}{2}, 2\\sqrt{2} == \\sqrt{8}, ...).
+
+Why the math check runs in helper processes
+-------------------------------------------
+math-verify parses LaTeX into sympy and simplifies; a hostile answer such as
+\\boxed{9^{9^{9^{9^{9}}}}} can make that run (and allocate) without end. Its own
+timeouts use signal.alarm, which
+  - only works in the main thread (it raises in a worker thread, and turning it
+    off there means no time bound at all),
+  - replaces the process-wide SIGALRM handler of the training process, and
+  - cannot stop code that never returns to the Python interpreter.
+So every check is sent to a small pool of persistent worker processes (this very
+file run as a script, talking JSON lines over pipes). Inside a worker, a SIGALRM
+timer (it is the worker's main thread) stops slow Python code and the worker
+stays up; if the worker still has not answered shortly after, it is killed and a
+fresh one is started on demand. This works the same from any thread of the
+caller, costs no process spawn per response (only one per worker, and one after
+each kill), and lets score_responses check many responses in parallel.
+We use subprocess rather than multiprocessing so the worker never re-imports the
+training script (spawn/forkserver do that) and never forks a process that holds
+CUDA or tokenizer threads.
+"""
+
+import atexit
+import json
+import logging
+import os
+import queue
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+
+NUM_MATH_WORKERS = min(8, os.cpu_count() or 1)  # processes (and threads) used by score_responses
+_KILL_GRACE_S = 1.0  # extra wait past the in-worker timer before we kill the worker
+_START_TIMEOUT_S = 120.0  # a fresh worker must import sympy/math-verify within this
+_WORKER_MEM_BYTES = 4 << 30  # address-space cap per worker: a runaway bignum gets MemoryError, not the OOM killer
+
+
+# ----------------------------------------------------------------------------
+# answer extraction and the cheap rewards
+
+
+_BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")  # "\boxed {x}" is valid LaTeX too
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}), nested braces kept; None if absent/unbalanced."""
+    starts = [m.end() for m in _BOXED_RE.finditer(text)]
+    if not starts:
+        return None
+    start = i = starts[-1]
+    depth = 1
+    while i < len(text):
+        c = text[i]
+        if c == "\\":  # skip the escaped char: \{ and \} are literal braces, not grouping
+            i += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i]
+        i += 1
+    return None  # the braces never closed (e.g. the response was cut at the length limit)
+
+
+def exact_match_reward(response: str, answer: str) -> float:
+    """For the built-in arithmetic task: the whole response is the answer."""
+    return 1.0 if response.strip() == answer.strip() else 0.0
+
+
+def _gold_answer(answer: str) -> str:
+    """The short answer to compare against, from a bare answer or a full worked solution."""
+    if "\\boxed" in answer or "\\fbox" in answer:
+        boxed = extract_boxed(answer)
+        if boxed is not None:
+            return boxed.strip()
+    if "####" in answer:  # GSM8K style: worked solution, then "#### 42"
+        return answer.rsplit("####", 1)[1].strip()
+    return answer.strip()
+
+
+def math_reward(response: str, answer: str, timeout_s: float = 5.0) -> float:
+    """1.0 if the response's last boxed answer equals the gold answer per math-verify, else 0.0.
+
+    Bounded in time: returns within about timeout_s + 1 s (after the first call, which
+    also starts a worker process), from the main thread or any other thread.
+    """
+    pred = extract_boxed(response)
+    if pred is None:
+        return 0.0
+    pred, gold = pred.strip(), _gold_answer(answer)
+    if not pred or not gold:
+        return 0.0
+    if pred == gold:  # the common case needs no sympy at all
+        return 1.0
+    key = (pred, gold)
+    if key not in _verdicts:
+        verdict = _check(pred, gold, float(timeout_s))
+        if verdict is None:  # timed out: 0 now, but don't remember it, it may just be a busy machine
+            return 0.0
+        if len(_verdicts) >= 50_000:  # crude bound on memory
+            _verdicts.clear()
+        _verdicts[key] = verdict
+    return _verdicts[key]
+
+
+REWARD_FNS = {"math": math_reward, "exact": exact_match_reward}
+
+
+def score_responses(
+    responses: list[str],
+    answers: list[str],
+    finished: list[bool],
+    kind: str,
+    truncated_reward: float = 0.0,
+) -> list[float]:
+    """Reward per response; one cut at the length limit (finished=False) gets truncated_reward."""
+    if kind not in REWARD_FNS:
+        raise ValueError(f"unknown reward kind {kind!r}; choose one of {sorted(REWARD_FNS)}")
+    if not len(responses) == len(answers) == len(finished):
+        raise ValueError(
+            f"score_responses: got {len(responses)} responses, {len(answers)} answers, {len(finished)} finished flags"
+        )
+    fn = REWARD_FNS[kind]
+    rewards = [float(truncated_reward)] * len(responses)
+    todo = [i for i, done in enumerate(finished) if done]
+    # math checks mostly wait on worker processes, so keep several in flight from threads;
+    # repeated (answer, gold) pairs, common within a group of samples, hit the cache
+    n_threads = min(NUM_MATH_WORKERS, len(todo)) if kind == "math" else 1
+    if n_threads <= 1:
+        for i in todo:
+            rewards[i] = fn(responses[i], answers[i])
+    else:
+        with ThreadPoolExecutor(n_threads) as pool:
+            for i, r in zip(todo, pool.map(lambda i: fn(responses[i], answers[i]), todo)):
+                rewards[i] = r
+    return rewards
+
+
+# ----------------------------------------------------------------------------
+# parent side: a pool of worker processes
+
+
+_idle = queue.SimpleQueue()  # workers ready for a job; one job per worker at a time
+_live = set()  # every worker not yet killed, so we can clean up at exit
+_live_lock = threading.Lock()
+# (pred, gold) -> 1.0/0.0. The same pairs recur a lot: a group of samples per prompt, epochs.
+_verdicts = {}
+
+
+def _start_worker() -> subprocess.Popen:
+    proc = subprocess.Popen(
+        # -P: don't put common/ on the worker's sys.path, where a file named like a stdlib
+        # module (common/logging.py, ...) would shadow it
+        [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), os.path.abspath(__file__), "--worker"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,  # stderr is inherited, so a crash traceback shows up in the run's log
+        text=True,
+        bufsize=1,
+    )
+    with _live_lock:
+        _live.add(proc)
+    if _read_line(proc, _START_TIMEOUT_S) != "ready":
+        _kill(proc)
+        raise RuntimeError("math reward worker failed to start (is math-verify installed? see stderr above)")
+    return proc
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    with _live_lock:
+        _live.discard(proc)
+    proc.kill()
+    proc.wait()
+    for f in (proc.stdin, proc.stdout):
+        try:
+            f.close()
+        except OSError:
+            pass
+
+
+@atexit.register
+def _kill_all() -> None:
+    with _live_lock:
+        procs = list(_live)
+    for proc in procs:
+        _kill(proc)
+
+
+def _forget_workers() -> None:
+    # A forked child (e.g. a DataLoader worker) must not talk over its parent's pipes: it
+    # closes its copies (so the workers still see EOF when the parent exits) and starts afresh.
+    global _idle, _live, _live_lock
+    for proc in _live:
+        for f in (proc.stdin, proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+    _idle, _live, _live_lock = queue.SimpleQueue(), set(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_workers)
+
+
+def _read_line(proc: subprocess.Popen, timeout_s: float) -> str | None:
+    """One line from the worker, or None if it has not answered in time / has died."""
+    # poll, unlike select, has no limit on fd numbers (big training processes open many files).
+    # There is never more than one reply in flight, so Python's read buffer is empty here.
+    poller = select.poll()
+    poller.register(proc.stdout, select.POLLIN)
+    if not poller.poll(max(0, int(timeout_s * 1000))):
+        return None
+    line = proc.stdout.readline()  # "" if the worker died
+    return line.strip() if line.endswith("\n") else None
+
+
+def _check(pred: str, gold: str, timeout_s: float) -> float | None:
+    """Ask a worker whether pred == gold: 1.0 / 0.0, or None if it timed out."""
+    try:
+        proc = _idle.get_nowait()
+    except queue.Empty:
+        proc = _start_worker()
+    reply = None
+    try:
+        proc.stdin.write(json.dumps({"pred": pred, "gold": gold, "timeout": timeout_s}) + "\n")
+        proc.stdin.flush()
+        reply = _read_line(proc, timeout_s + _KILL_GRACE_S)
+    except OSError:  # broken pipe: the worker had died
+        pass
+    finally:
+        if reply in ("0", "1", "timeout"):
+            _idle.put(proc)
+        else:  # stuck, dead or confused: never reuse it
+            _kill(proc)
+    return {"1": 1.0, "0": 0.0}.get(reply)
+
+
+# ----------------------------------------------------------------------------
+# worker side (this file run as a script)
+
+
+class _CheckTimeout(BaseException):
+    # BaseException, so math-verify's `except Exception` cannot swallow it and carry on
+    pass
+
+
+def _on_alarm(signum, frame):
+    raise _CheckTimeout()
+
+
+@lru_cache(maxsize=1)
+def _latex_config():
+    from math_verify import LatexExtractionConfig
+
+    return [LatexExtractionConfig(boxed_match_priority=0)]
+
+
+def _verify_here(pred: str, gold: str) -> bool:
+    from math_verify import parse, verify
+
+    # Wrap both sides in \boxed{} and parse them as LaTeX only: a bare "\frac12" or "2\sqrt{2}"
+    # given to parse() with its default settings is not found / read as "2", and its plain-
+    # expression extractor could pull a stray number out of a garbled answer. math-verify's
+    # own timeouts are off (None): our SIGALRM timer bounds the whole check instead.
+    config = _latex_config()
+    gold_parsed = parse("\\boxed{" + gold + "}", extraction_config=config, parsing_timeout=None)
+    pred_parsed = parse("\\boxed{" + pred + "}", extraction_config=config, parsing_timeout=None)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return verify(gold_parsed, pred_parsed, timeout_seconds=None)
+
+
+def _worker_main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; we exit when our stdin closes
+    # our replies go through a private copy of stdout, so stray prints can't corrupt the protocol
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    # math-verify logs whole responses on timeouts/errors; that would flood the training log
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL + 1)
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (_WORKER_MEM_BYTES, _WORKER_MEM_BYTES))
+    except (ImportError, ValueError, OSError):
+        pass
+    import math_verify  # noqa: F401  (pay the slow import before saying ready)
+
+    signal.signal(signal.SIGALRM, _on_alarm)
+    out.write("ready\n")
+    out.flush()
+    for line in sys.stdin:
+        reply = "0"
+        try:
+            job = json.loads(line)
+            signal.setitimer(signal.ITIMER_REAL, job["timeout"])
+            try:
+                reply = "1" if _verify_here(job["pred"], job["gold"]) else "0"
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except _CheckTimeout:
+            reply = "timeout"
+        except BaseException:  # MemoryError, any math-verify/sympy error: not equal
+            reply = "0"
+        out.write(reply + "\n")
+        out.flush()
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    _worker_main()
