@@ -131,7 +131,8 @@ def format_prompt(tokenizer, problem: str, template: str) -> list[int]:
         return [int(t) for t in ids]
 
     _check_template(template)
-    text = template.format(problem=problem, instruction=INSTRUCTION)
+    # a shell passes "\n" typed in --prompt-template as backslash + n: it means a newline
+    text = template.replace("\\n", "\n").format(problem=problem, instruction=INSTRUCTION)
     # add_special_tokens=True gives BOS to tokenizers that want it (Llama) and nothing to those
     # that don't (Qwen). A few also append EOS, which would tell the model it is already done.
     ids = tokenizer.encode(text, add_special_tokens=True)

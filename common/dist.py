@@ -14,13 +14,8 @@ import torch.distributed as dist
 
 def setup_distributed() -> tuple[int, int, torch.device]:
     """Initialise the process group (nccl on GPU, gloo on CPU). Returns (rank, world_size, device)."""
-    if "RANK" not in os.environ:  # plain `python script.py`: a group of one on a free local port
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torchrun = "RANK" in os.environ
+    rank, world_size = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if torchrun else (0, 1)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -30,7 +25,12 @@ def setup_distributed() -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        if not torchrun:  # plain `python script.py`: a group of one on a free local port
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                kwargs.update(init_method=f"tcp://127.0.0.1:{s.getsockname()[1]}", rank=0, world_size=1)
+        dist.init_process_group(backend, **kwargs)
     return rank, world_size, device
 
 

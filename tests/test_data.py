@@ -225,3 +225,9 @@ def test_encode_problems_chat():
     tok = make_tokenizer(CHAT_TEMPLATE)
     out = encode_problems(tok, [{"problem": "2+2?", "answer": "4"}], "chat", max_prompt_len=500)
     assert out == [{"prompt_ids": format_prompt(tok, "2+2?", "chat"), "answer": "4", "problem": "2+2?"}]
+
+
+def test_raw_template_backslash_n_from_the_command_line_is_a_newline():
+    tok = make_tokenizer()
+    ids = format_prompt(tok, "ab", "{problem}\\nx")
+    assert ids == format_prompt(tok, "ab", "{problem}\nx") and tok.convert_tokens_to_ids("\n") in ids

@@ -17,7 +17,8 @@ SMALL = ["--num-steps", "2", "--num-prompts", "8", "--group-size", "4", "--num-m
 
 
 def run(cmd, **kw):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    # CPU runs (two ranks cannot share one GPU under NCCL); tests/test_gpu.py covers the GPU
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, **kw)
 
 
