@@ -399,7 +399,7 @@ def main(args: Args) -> None:
             "train/all_correct_frac": g["all_correct"] / n_groups, "train/all_wrong_frac": g["all_wrong"] / n_groups,
             "train/response_len_mean": g["resp_len"] / n_seqs, "train/response_len_max": g_max["resp_len"],
             "train/truncated_frac": g["truncated"] / n_seqs, "train/entropy": g["entropy"] / n_tok,
-            "train/loss": g["loss"] / args.num_minibatches / world_size,
+            "train/loss": g["loss"] / args.num_minibatches,  # each rank's share sums to the mini-batch's loss
             **mismatch_metrics(g, g_max, g_min, seq_ratio=args.is_correction == "seq-mis"),
             "policy/clip_frac": g["clip"] / max(g["policy_tokens"], 1.0),
             "policy/approx_kl": g["approx_kl"] / max(g["policy_tokens"], 1.0),
