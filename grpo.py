@@ -24,7 +24,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import tyro
 from transformers import AutoTokenizer
 
@@ -38,7 +37,7 @@ from common.logprobs import collate, pad_float, split_microbatches
 from common.metrics import mismatch_metrics, mismatch_stats
 from common.precision import DTYPES, LossScaler, resolve_precisions
 from common.rewards import score_responses
-from common.sampler import HFSampler
+from common.sampler import make_sampler, resolve_sampler
 
 
 @dataclass
@@ -75,14 +74,23 @@ class Args:
     truncated_reward: float = 0.0
     """reward of a response cut at the length limit (no end-of-sequence token)"""
     # --- sampling
-    sampler: Literal["hf"] = "hf"
-    """'hf': the fallback sampler on transformers (a plain copy of the policy in the rollout precision)"""
+    sampler: Literal["auto", "vllm", "hf"] = "auto"
+    """'vllm': an in-process vLLM engine per rank; 'hf': the fallback sampler on transformers (a plain copy of the
+    policy); 'auto': vllm when it is installed and a GPU is present, else hf"""
     temperature: float = 1.0
     """sampling temperature of training rollouts; the trainer divides its logits by it too"""
     top_p: float = 1.0
     """must stay 1.0 for training rollouts: a truncated distribution makes mu and pi incomparable"""
     sampler_batch_size: int = 256
     """sequences decoded at once by the fallback sampler"""
+    vllm_tp: int = 1
+    """vLLM tensor parallelism: each engine is sharded over this many consecutive ranks"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take for weights and KV cache (on CPU: of the NUMA node's memory); the
+    trainer needs the rest while vLLM is awake"""
+    vllm_sleep_level: Literal[0, 1, 2] = 1
+    """vLLM sleep mode while the trainer trains (GPU only): 1 offloads the weights to CPU and frees the KV cache, 2
+    also discards the weights (reloaded from the trainer before sampling), 0 keeps everything"""
     # --- precision
     precision: Literal["fp16", "bf16", "fp32"] = "fp16"
     """precision of both the trainer's compute and the sampler's weights"""
@@ -221,6 +229,8 @@ def validate(args: Args, world_size: int) -> None:
                          "incomparable (use --eval-top-p for evaluation)")
     if args.temperature <= 0:
         raise ValueError("--temperature must be > 0 for training rollouts")
+    exact(world_size, args.vllm_tp, "the number of ranks over --vllm-tp")
+    resolve_sampler(args.sampler)
     if args.model is not None:
         check_model_dir(args.model)
     for path in ([args.dataset] if args.dataset else []) + list(args.eval_dataset):
@@ -261,8 +271,11 @@ def main(args: Args) -> None:
     params = [p for p in model.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     scaler = LossScaler(enabled=train_prec == "fp16")
-    sampler = HFSampler(weights_path, DTYPES[rollout_prec], device, seed=args.seed + rank,
-                        batch_size=args.sampler_batch_size)
+    sampler_kind, why = resolve_sampler(args.sampler)
+    print0(f"[sampler] {sampler_kind} ({why})")
+    sampler = make_sampler(sampler_kind, weights_path, rollout_prec, device, args.seed, rank,
+                           args.max_prompt_len + args.max_response_len, args.sampler_batch_size, args.vllm_tp,
+                           args.vllm_gpu_memory_utilization, args.vllm_sleep_level)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     print0(f"[setup] {world_size} rank(s) on {device.type}; train {train_prec}, rollout {rollout_prec}; "
            f"{sum(p.numel() for p in params) * world_size / 1e6:.1f}M parameters (approx.)")
@@ -273,13 +286,12 @@ def main(args: Args) -> None:
         start_step = trainer_state["step"]
         scaler.load_state_dict(trainer_state["scaler"])
         if rank_state:
-            set_rng_state(rank_state, sampler.generator)
+            set_rng_state(rank_state, getattr(sampler, "generator", None))
         print0(f"[resume] from {resume_dir} at step {start_step}")
 
     logger = Logger(run_dir, dataclasses.asdict(args), enabled=rank == 0, total_steps=args.num_steps,
                     start_step=start_step, track=args.track, project=args.wandb_project, run_name=args.exp_name)
     prompts_per_rank = args.num_prompts // world_size
-    rng = np.random.default_rng(args.seed)
     epoch_orders = {}  # the same order on every rank; step s takes prompts [s*P, (s+1)*P) of the epochs' sequence
 
     def batch_problems(step: int) -> list[dict]:
@@ -300,13 +312,15 @@ def main(args: Args) -> None:
 
     def run_eval(step: int) -> None:
         if eval_sets:
+            sampler.wake_up()
             metrics = evaluate(sampler, tokenizer, eval_sets, args.eval_k, args.eval_temperature, args.eval_top_p,
                                args.max_response_len, args.reward, rank, world_size, device)
+            sampler.sleep()
             logger.log(metrics, step, advance=False)
 
     def save(step: int) -> None:
         save_checkpoint(ckpt_root, step, model, model.lm, tokenizer, optimizer,
-                        {"scaler": scaler.state_dict()}, rng_state(sampler.generator), args.keep_last)
+                        {"scaler": scaler.state_dict()}, rng_state(getattr(sampler, "generator", None)), args.keep_last)
 
     step = start_step
     if start_step == 0 and args.eval_every:
@@ -421,6 +435,7 @@ def main(args: Args) -> None:
     if step > start_step:
         save(step)
     logger.close()
+    sampler.shutdown()
     cleanup_distributed()
 
 

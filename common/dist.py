@@ -35,7 +35,7 @@ def setup_distributed() -> tuple[int, int, torch.device]:
 
 
 def cleanup_distributed() -> None:
-    if dist.is_initialized():
+    if dist.is_initialized():  # (a sampler's shutdown may have destroyed it already)
         dist.barrier()
         dist.destroy_process_group()
 

@@ -5,11 +5,13 @@ Every sampler has the same four methods, so the trainer does not know which one 
   generate(prompts, n, max_new_tokens, temperature, top_p) -> Rollout
   load_weights(named_tensors)   in-place update from the trainer (an iterator of (HF name, full tensor))
   sleep() / wake_up()           free / take back the sampler's memory while the trainer trains (no-ops here)
+  shutdown()                    release the sampler before the process group goes
 
 HFSampler is the fallback: a plain (unsharded) copy of the policy in the rollout precision, decoded with a
 transformers KV cache. The log-prob it reports is the one of the distribution it sampled from (after temperature
 and top-p), as vLLM's `processed_logprobs`.
 """
+import importlib.util
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +54,9 @@ class HFSampler:
         pass
 
     def wake_up(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
         pass
 
     def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float,
@@ -118,3 +123,28 @@ def process_logits(logits_BV: torch.Tensor, temperature: float, top_p: float) ->
         logp = torch.full_like(logp, float("-inf")).scatter(-1, idx, sorted_lp)
         logp = torch.log_softmax(logp, dim=-1)
     return logp
+
+
+def resolve_sampler(kind: str) -> tuple[str, str]:
+    """'auto' -> 'vllm' when vLLM is installed and a GPU is present, else 'hf'. Returns (kind, why). Checked before
+    any model is loaded: asking for vLLM where it is not installed is an error."""
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if kind == "auto":
+        if has_vllm and torch.cuda.is_available():
+            return "vllm", "auto: vLLM is installed and a GPU is present"
+        return "hf", "auto: " + ("no GPU" if has_vllm else "vLLM is not installed") + ", the fallback sampler"
+    if kind == "vllm" and not has_vllm:
+        raise ValueError("--sampler vllm: vLLM is not installed (GPU: pip install vllm; CPU: make install), "
+                         "or use --sampler hf")
+    return kind, "as asked"
+
+
+def make_sampler(kind: str, model_path: str, precision: str, device, seed: int, rank: int, max_model_len: int,
+                 batch_size: int, vllm_tp: int, vllm_gpu_memory_utilization: float, vllm_sleep_level: int):
+    """The sampler of a rank: vLLM engines are seeded per TP group, the fallback sampler per rank."""
+    from common.precision import DTYPES
+    if kind == "vllm":
+        from common.vllm_sampler import VLLMSampler
+        return VLLMSampler(model_path, precision, seed + rank // vllm_tp, max_model_len, vllm_tp,
+                           vllm_gpu_memory_utilization, vllm_sleep_level)
+    return HFSampler(model_path, DTYPES[precision], device, seed + rank, batch_size)

@@ -1,0 +1,125 @@
+"""The vLLM sampler: one in-process engine per torchrun rank, sharing the GPU with the trainer (colocated).
+
+- `distributed_executor_backend="external_launcher"`: the engine joins the process group the trainer already made
+  instead of starting workers of its own; `--vllm-tp` > 1 shards each engine over a group of consecutive ranks,
+  which then sample the same prompts together (seeded alike) and split the results.
+- The engine is seeded per rank (per TP group), never per request: a per-request seed made different prompts draw
+  identical token streams.
+- `logprobs_mode="processed_logprobs"`: the reported log-prob of each sampled token is that of the distribution
+  actually sampled from (after temperature and top-p), which is what mu means in the mismatch metrics.
+- Weight sync: the trainer's full weights, one tensor at a time, loaded in place by the model runner's
+  `reload_weights`, then the prefix cache is reset (cached KV blocks belong to the old weights).
+- Sleep mode (GPU only): level 1 offloads the weights to CPU and frees the KV cache while the trainer trains;
+  level 2 discards the weights too, so they must come from the trainer before the next sampling (never from disk:
+  that would silently drop all training). On CPU there is no sleep mode and sleep()/wake_up() do nothing.
+
+vLLM's internals are touched in exactly one function, `_model_runner`.
+"""
+import gc
+import os
+
+import torch
+import torch.distributed as dist
+
+from common.sampler import Rollout
+
+VLLM_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+def _model_runner(llm):
+    """The one place that reaches into vLLM's internals (in-process engine, V1, as of vLLM 0.25-0.32)."""
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+class VLLMSampler:
+    def __init__(self, model_path: str, precision: str, seed: int, max_model_len: int, tp: int = 1,
+                 gpu_memory_utilization: float = 0.3, sleep_level: int = 1):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+        # external_launcher reads torchrun's variables; a plain `python script.py` is a group of one
+        for key, value in (("RANK", dist.get_rank()), ("LOCAL_RANK", dist.get_rank()),
+                           ("WORLD_SIZE", dist.get_world_size())):
+            os.environ.setdefault(key, str(value))
+        from vllm import LLM
+        self.tp = tp
+        self.sleep_level = sleep_level if torch.cuda.is_available() else 0
+        self.asleep = False
+        self.weights_awake = True  # the weights' GPU memory is allocated
+        self.weights_loaded = True  # the engine holds the current weights (a level 2 sleep discards them)
+        try:
+            self.llm = LLM(model=model_path, dtype=VLLM_DTYPES[precision], seed=seed, tensor_parallel_size=tp,
+                           distributed_executor_backend="external_launcher", max_model_len=max_model_len,
+                           gpu_memory_utilization=gpu_memory_utilization, skip_tokenizer_init=True,
+                           logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_level > 0,
+                           enforce_eager=not torch.cuda.is_available(), enable_prefix_caching=True)
+        except (ValueError, NotImplementedError, RuntimeError) as e:
+            text = str(e).lower()
+            if any(w in text for w in ("dtype", "float16", "float32", "bfloat16", "not supported")):
+                raise ValueError(f"vLLM refused {precision} rollouts for this model: {e}. Choose another "
+                                 f"--rollout-precision (or --sampler hf)") from e
+            raise
+        self.tp_group = None
+        if tp > 1:  # every rank creates every TP group (new_group is collective), keeps its own
+            world = dist.get_world_size()
+            if world % tp:
+                raise ValueError(f"--vllm-tp {tp} does not divide the number of ranks {world}")
+            for start in range(0, world, tp):
+                group = dist.new_group(list(range(start, start + tp)))
+                if start <= dist.get_rank() < start + tp:
+                    self.tp_group = group
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors) -> None:
+        if self.asleep and not self.weights_awake:
+            self.llm.wake_up(tags=["weights"])  # the weights' memory back; their values come next
+            self.weights_awake = True
+        _model_runner(self.llm).reload_weights(weights_iterator=named_tensors)
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.weights_loaded = True
+
+    def sleep(self) -> None:
+        if self.sleep_level and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep, self.weights_awake = True, False
+            self.weights_loaded = self.sleep_level == 1  # level 1 keeps a CPU copy; level 2 drops them
+
+    def wake_up(self) -> None:
+        if not self.asleep:
+            return
+        if not self.weights_loaded:
+            raise RuntimeError("vLLM slept at level 2 (weights discarded) and no weights were loaded from the "
+                               "trainer since: refusing to sample from uninitialised weights")
+        self.llm.wake_up(tags=["kv_cache"] if self.weights_awake else None)
+        self.asleep = False
+
+    def shutdown(self) -> None:
+        """Shut the engine down while the process group it joined still exists (at interpreter exit, after the
+        trainer destroyed the group, vLLM's own clean-up fails)."""
+        del self.llm
+        gc.collect()
+
+    def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float,
+                 top_p: float = 1.0) -> Rollout:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        mine = len(prompts)
+        if self.tp_group is not None:  # the TP group's engines sample all the group's prompts together
+            gathered = [None] * self.tp
+            dist.all_gather_object(gathered, prompts, group=self.tp_group)
+            offset = sum(len(g) for g in gathered[:dist.get_rank(self.tp_group)])
+            prompts = [p for g in gathered for p in g]
+        greedy = temperature <= 0
+        params = SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+                                max_tokens=max_new_tokens, logprobs=0, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        if self.tp_group is not None:
+            outputs = outputs[offset:offset + mine]
+        out = Rollout()
+        for prompt, request in zip(prompts if self.tp_group is None else prompts[offset:offset + mine], outputs):
+            for c in request.outputs:
+                ids = list(c.token_ids)
+                out.prompt_ids.append(prompt)
+                out.response_ids.append(ids)
+                out.logprobs.append(torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, ids)],
+                                                 dtype=torch.float32))
+                out.finished.append(c.finish_reason == "stop")
+        return out
