@@ -1,0 +1,103 @@
+"""The value model of PPO (the critic): a Hugging Face causal LM's transformer with a scalar value head, sharded and
+precision-managed exactly like the policy (common/fsdp.py), and how its value head travels through checkpoints.
+
+Infrastructure only: the value loss lives in ppo.py.
+"""
+import json
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM
+
+from common.fsdp import decoder_layers
+from common.logprobs import response_positions
+
+
+class CriticModel(nn.Module):
+    """`lm`: a Hugging Face causal LM (its lm_head is not used; keeping it makes the critic's checkpoint an ordinary
+    model directory, like the policy's). `value_head`: nn.Linear(hidden, 1) on the final hidden states.
+
+    FSDP2 shards each decoder layer, then this wrapper as the root, which so owns the embedding, the final norm, the
+    (unused) lm_head and the value head.
+    """
+
+    def __init__(self, lm: nn.Module, value_head: nn.Linear):
+        super().__init__()
+        self.lm = lm
+        self.value_head = value_head
+
+    def forward(self, input_ids_BL, attention_mask_BL, response_mask_BT):
+        """Same inputs and layout as PolicyModel.forward. Returns values_BT, fp32, 0 off-mask: values_BT[b, t] is
+        V(s_t), the value of the state (prompt + response tokens < t) from which response token t is generated, read
+        at the same position as the logits that predict token t."""
+        out = self.lm.model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, use_cache=False)
+        hidden_BLH = out.last_hidden_state
+        is_resp_BL = response_positions(attention_mask_BL, response_mask_BT)
+        hidden_NH = hidden_BLH[:, :-1][is_resp_BL[:, 1:]]
+        # the head's product in fp32 (its weights arrive in the compute dtype): values are never rounded to 16 bits
+        w, b = self.value_head.weight, self.value_head.bias
+        values_N = F.linear(hidden_NH.float(), w.float(), b.float()).squeeze(-1)
+        values_BT = torch.zeros(response_mask_BT.shape, dtype=torch.float32, device=values_N.device)
+        return values_BT.masked_scatter(response_mask_BT, values_N)  # row-major order matches on both sides
+
+
+def init_value_head(hidden_size: int, seed: int) -> nn.Linear:
+    """weight ~ N(0, (1/(hidden+1))^2), bias 0, as OpenRLHF's critic (openrlhf/models/model.py, init_value_head):
+    initial values near 0 with a little per-state spread. Drawn from its own generator seeded with `seed`, so every
+    rank builds the same head whatever else consumed the global random stream."""
+    head = nn.Linear(hidden_size, 1)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.weight.normal_(0.0, 1.0 / (hidden_size + 1), generator=g)
+        head.bias.zero_()
+    return head
+
+
+def load_critic(path: str, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool, seed: int,
+                attn_implementation: str = "sdpa") -> CriticModel:
+    """Load fp32 master weights from the model directory `path` (the policy's, or a critic checkpoint), add the value
+    head (from `path`'s trainer_state.json when it is a critic checkpoint, else a fresh one from `seed`), shard with
+    FSDP2 as load_policy does and return the CriticModel (the FSDP root)."""
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    if gradient_checkpointing:
+        if hasattr(lm, "activation_checkpointing_enable"):  # the name since transformers 5.2x
+            lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lm.config.use_cache = False
+    head = init_value_head(lm.config.hidden_size, seed)
+    saved = saved_value_head(path)
+    if saved is not None:
+        with torch.no_grad():
+            head.weight.copy_(torch.tensor(saved["weight"], dtype=torch.float32))
+            head.bias.copy_(torch.tensor(saved["bias"], dtype=torch.float32))
+    model = CriticModel(lm, head).to(device)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in decoder_layers(lm):
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)  # the root: embedding, final norm, lm_head, value head
+    return model
+
+
+# The value head is not part of the Hugging Face model, so save_checkpoint (which writes the `lm` child) does not
+# write it. Its hidden + 1 floats go into the critic checkpoint's trainer_state.json instead: written atomically with
+# the rest, and exact (JSON keeps a double's shortest round-trip repr, and every fp32 is a double).
+
+@torch.no_grad()
+def value_head_state(critic: CriticModel) -> dict:
+    """The full value head as JSON-able lists. A collective under FSDP2: every rank calls it."""
+    full = lambda t: (t.full_tensor() if hasattr(t, "full_tensor") else t).float().cpu()
+    return {"weight": full(critic.value_head.weight).tolist(), "bias": full(critic.value_head.bias).tolist()}
+
+
+def saved_value_head(path: str) -> dict | None:
+    """The value head stored in `path`/trainer_state.json by value_head_state, or None (e.g. `path` is the policy's
+    model directory)."""
+    state_file = os.path.join(path, "trainer_state.json")
+    if not os.path.isfile(state_file):
+        return None
+    with open(state_file) as f:
+        return json.load(f).get("value_head")

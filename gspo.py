@@ -1,0 +1,434 @@
+"""GSPO: the PPO clip on a length-normalized sequence ratio, with std-normalized group advantages.
+
+What it is: GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071; ALGORITHMS.md): per
+sequence the ratio s_i = exp(mean_t (logp_it - old_logp_it)) over its response tokens (eq. 7), with the gradient of
+s_i flowing through every token's logp; loss per sequence -min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)
+(eq. 5) with the paper's tiny clip range eps_low 3e-4, eps_high 4e-4 (Sec. 5.1); advantages A_i = (r_i - mean) /
+(std + 1e-6) over the group (eq. 6; std is torch.std's default, the unbiased estimate dividing by G - 1). The loss
+is the sum over the mini-batch's sequences divided by N_seq (all ranks and micro-batches): a mean over sequences, no
+L_max and no token count. No KL term, no entropy bonus. The sampler's log-probs (mu) enter only the mismatch metrics:
+no rollout correction, so the is/ keys are grpo.py's pi_old/mu diagnostics (as grpo.py with --is-correction none).
+policy/clip_frac is the fraction of sequences (not tokens) whose clip was active (their gradient is zero).
+
+    python gspo.py                                   # the built-in task: a tiny model learns addition, no downloads
+    python gspo.py --precision bf16                  # the same in BF16, to see the mismatch grow
+    torchrun --nproc_per_node 8 gspo.py --model /path/to/DeepSeek-R1-Distill-Qwen-1.5B \\
+        --dataset math_train.parquet --eval-dataset aime24.jsonl --precision fp16
+
+One step: sample a rollout batch (prompts x G responses) -> rewards -> advantages -> recompute old_logp with the
+trainer -> num_minibatches optimizer steps, each accumulating micro-batches sized by a token budget -> push the
+new weights to the sampler -> log.
+"""
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from transformers import AutoTokenizer
+
+from common.checkpoint import find_resume_dir, load_training_state, rng_state, save_checkpoint, set_rng_state
+from common.data import encode_problems, load_problems
+from common.dist import cleanup_distributed, print0, reduce_stats, seed_everything, setup_distributed
+from common.evaluate import eval_name, evaluate
+from common.fsdp import check_model_dir, iter_full_state, load_policy
+from common.logger import Logger
+from common.logprobs import collate, pad_float, split_microbatches
+from common.metrics import mismatch_metrics, mismatch_stats
+from common.precision import DTYPES, LossScaler, resolve_precisions
+from common.rewards import score_responses
+from common.sampler import make_sampler, resolve_sampler
+
+
+@dataclass
+class Args:
+    """Defaults are the study's for real runs (--model given); without --model the built-in task's small
+    defaults apply (BUILTIN below): `python grpo.py --help` shows those, `python grpo.py --model X --help` these."""
+    # --- run
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of the run (the run directory and wandb run are named after it)"""
+    seed: int = 1
+    """seed of the initial weights' randomness, the data order and (plus the rank) the sampling streams"""
+    run_dir: str | None = None
+    """where metrics.jsonl, config.json and checkpoints/ go (default: runs/<exp_name>_<seed>)"""
+    track: bool = False
+    """log to Weights & Biases too (offline mode when no account is configured)"""
+    wandb_project: str = "rl-mismatch"
+    """the wandb project"""
+    # --- model and data
+    model: str | None = None
+    """local Hugging Face model directory (default: the built-in task's tiny model, built on first use)"""
+    dataset: str | None = None
+    """training problems: .jsonl/.json/.parquet with problem (or prompt/question) and answer (or solution) fields"""
+    eval_dataset: tuple[str, ...] = ()
+    """evaluation files (same format), each logged as eval/<file name>/accuracy"""
+    prompt_template: str = "chat"
+    """'chat' (the tokenizer's chat template, with the R1-distill instruction) or a format string with {problem}
+    and optionally {instruction}, e.g. '{problem}\\n{instruction}\\n'"""
+    reward: Literal["math", "exact"] = "math"
+    """'math': math-verify on the last \\boxed{}; 'exact': the stripped response equals the answer"""
+    max_prompt_len: int = 1024
+    """prompts longer than this (tokens) are reported and skipped, never cut"""
+    max_response_len: int = 8192
+    """response length limit in tokens, and L_max of Dr.GRPO's constant normalizer"""
+    truncated_reward: float = 0.0
+    """reward of a response cut at the length limit (no end-of-sequence token)"""
+    # --- sampling
+    sampler: Literal["auto", "vllm", "hf"] = "auto"
+    """'vllm': an in-process vLLM engine per rank; 'hf': the fallback sampler on transformers (a plain copy of the
+    policy); 'auto': vllm when it is installed and a GPU is present, else hf"""
+    temperature: float = 1.0
+    """sampling temperature of training rollouts; the trainer divides its logits by it too"""
+    top_p: float = 1.0
+    """must stay 1.0 for training rollouts: a truncated distribution makes mu and pi incomparable"""
+    sampler_batch_size: int = 256
+    """sequences decoded at once by the fallback sampler"""
+    vllm_tp: int = 1
+    """vLLM tensor parallelism: each engine is sharded over this many consecutive ranks"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take for weights and KV cache (on CPU: of the NUMA node's memory); the
+    trainer needs the rest while vLLM is awake"""
+    vllm_sleep_level: Literal[0, 1, 2] = 1
+    """vLLM sleep mode while the trainer trains (GPU only): 1 offloads the weights to CPU and frees the KV cache, 2
+    also discards the weights (reloaded from the trainer before sampling), 0 keeps everything"""
+    # --- precision
+    precision: Literal["fp16", "bf16", "fp32"] = "fp16"
+    """precision of both the trainer's compute and the sampler's weights"""
+    train_precision: Literal["fp16", "bf16", "fp32"] | None = None
+    """override --precision for the trainer (FSDP2 param_dtype; master weights and Adam states are fp32)"""
+    rollout_precision: Literal["fp16", "bf16", "fp32"] | None = None
+    """override --precision for the sampler's weights"""
+    # --- algorithm
+    num_steps: int = 500
+    """RL steps (rollout batches)"""
+    num_prompts: int = 64
+    """prompts per rollout batch, over all ranks"""
+    group_size: int = 8
+    """responses per prompt (G)"""
+    num_minibatches: int = 4
+    """optimizer steps per rollout batch (each over num_prompts / num_minibatches prompts' groups)"""
+    micro_batch_tokens: int = 32768
+    """token budget of a micro-batch (rows x longest row, padding included); gradients accumulate over them"""
+    lr: float = 1e-6
+    """AdamW learning rate (constant)"""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+    eps_low: float = 3e-4  # GSPO: arXiv 2507.18071 Sec. 5.1
+    """GSPO clip: lower bound 1 - eps_low on the sequence ratio s_i"""
+    eps_high: float = 4e-4  # GSPO: arXiv 2507.18071 Sec. 5.1
+    """GSPO clip: upper bound 1 + eps_high on the sequence ratio s_i"""
+    # GSPO: no --is-correction (mu enters only the mismatch metrics)
+    is_threshold: float = 3.0
+    """C of the is/token_clip_frac and is/seq_mask_frac diagnostics (GSPO corrects nothing with it)"""  # GSPO
+    # --- memory
+    gradient_checkpointing: bool = True
+    """recompute decoder layers' activations in the backward pass"""
+    logprob_chunk: int = 2048
+    """tokens per chunk of the fp32 log-prob head (bounds its memory at chunk x vocab floats)"""
+    # --- evaluation and checkpoints
+    eval_every: int = 50
+    """evaluate every N steps (and at the end); 0: only at the end"""
+    eval_k: int = 4
+    """responses per evaluation problem (avg@k)"""
+    eval_temperature: float = 0.6
+    """evaluation sampling temperature"""
+    eval_top_p: float = 0.95
+    """evaluation top-p"""
+    eval_max_problems: int = 0
+    """evaluate on at most this many problems of each file (0: all)"""
+    save_every: int = 100
+    """save a checkpoint every N steps (and at the end); 0: only at the end"""
+    keep_last: int = 3
+    """keep the newest N checkpoints (0: all)"""
+    resume: str | None = None
+    """resume from a checkpoint directory, or 'latest' for the newest one in <run_dir>/checkpoints"""
+
+
+# The built-in task's defaults (a 0.4M-parameter model learning addition on a CPU in a minute or two). Evaluation
+# samples as training does (temperature 1), so that eval accuracy shows what training changed.
+BUILTIN = dict(num_steps=100, num_prompts=64, group_size=8, num_minibatches=2, micro_batch_tokens=4096, lr=5e-4,
+               max_prompt_len=16, max_response_len=8, prompt_template="{problem}", reward="exact",
+               eval_every=20, eval_k=4, eval_temperature=1.0, eval_top_p=1.0, save_every=50, precision="fp32",
+               gradient_checkpointing=False, sampler_batch_size=1024)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The algorithm: pure functions, importable without side effects.
+
+def std_advantages(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
+    """GRPO with std (GSPO, arXiv 2507.18071 eq. 6): A_i = (r_i - mean) / (std + 1e-6) over its group, std being
+    torch.std's default, the unbiased estimate (divides by G - 1). rewards_B holds whole groups in order."""
+    r_GN = rewards_B.view(-1, group_size)
+    return ((r_GN - r_GN.mean(-1, keepdim=True)) / (r_GN.std(-1, keepdim=True) + 1e-6)).view(-1)
+
+
+def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, eps_low: float, eps_high: float, num_seqs: int):
+    """GSPO's sequence-level clipped surrogate (arXiv 2507.18071 eq. 5, 7):
+    loss = (1/N_seq) sum_i -min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i),
+    s_i = exp(sum_t m_it (logp - old_logp) / sum_t m_it), the gradient flowing through every token's logp.
+    N_seq is the mini-batch's sequence count over all ranks and micro-batches, so summing this over micro-batches
+    (and averaging gradients over ranks, each rank's loss times world size) gives the same value whatever the split.
+    Returns (loss, local sums for the clip fraction (over sequences) and approx KL (over tokens))."""
+    m = mask_BT.float()
+    log_ratio_BT = (logp_BT - old_logp_BT) * m
+    s_B = torch.exp(log_ratio_BT.sum(-1) / m.sum(-1).clamp(min=1.0))  # the geometric mean of the token ratios
+    surr1 = s_B * adv_B
+    surr2 = s_B.clamp(1 - eps_low, 1 + eps_high) * adv_B
+    loss = -torch.min(surr1, surr2).sum() / num_seqs
+    with torch.no_grad():
+        clipped = ((adv_B > 0) & (s_B > 1 + eps_high)) | ((adv_B < 0) & (s_B < 1 - eps_low))
+        stats = {"clip": clipped.float().sum().item(), "seqs": float(len(s_B)),
+                 "approx_kl": ((torch.expm1(log_ratio_BT) - log_ratio_BT) * m).sum().item(),  # k3 of KL(old||theta)
+                 "tokens": m.sum().item()}
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    argv = sys.argv[1:] if argv is None else argv
+    builtin = not any(a == "--model" or a.startswith("--model=") for a in argv)
+    default = dataclasses.replace(Args(), **BUILTIN) if builtin else Args()
+    return tyro.cli(Args, default=default, args=argv)
+
+
+def validate(args: Args, world_size: int) -> None:
+    """Everything that can be checked before a model is loaded."""
+    def exact(a, b, what):
+        if a % b:
+            raise ValueError(f"{what}: {a} is not divisible by {b}")
+        return a // b
+    exact(args.num_prompts, world_size, "--num-prompts over the ranks (world size)")
+    exact(args.num_prompts // world_size, args.num_minibatches, "--num-prompts per rank over --num-minibatches")
+    if args.top_p != 1.0:
+        raise ValueError("--top-p must be 1.0 for training rollouts: a truncated distribution makes mu and pi "
+                         "incomparable (use --eval-top-p for evaluation)")
+    if args.temperature <= 0:
+        raise ValueError("--temperature must be > 0 for training rollouts")
+    if args.group_size < 2:  # GSPO
+        raise ValueError("--group-size must be at least 2: the advantages divide by the group's std")
+    exact(world_size, args.vllm_tp, "the number of ranks over --vllm-tp")
+    resolve_sampler(args.sampler)
+    if args.model is not None:
+        check_model_dir(args.model)
+    for path in ([args.dataset] if args.dataset else []) + list(args.eval_dataset):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"dataset {path!r}: no such file")
+    if args.resume not in (None, "latest") and not os.path.isdir(args.resume):
+        raise FileNotFoundError(f"--resume {args.resume!r}: no such directory")
+
+
+def main(args: Args) -> None:
+    rank, world_size, device = setup_distributed()
+    validate(args, world_size)
+    train_prec, rollout_prec = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
+    seed_everything(args.seed)
+    run_dir = args.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}")
+    ckpt_root = os.path.join(run_dir, "checkpoints")
+
+    # --- data
+    model_path, dataset, eval_paths = args.model, args.dataset, list(args.eval_dataset)
+    if model_path is None or dataset is None:
+        from common.builtin_task import ensure_builtin_task
+        task = ensure_builtin_task()  # built once, cached; a file lock keeps ranks from building it twice
+        model_path = model_path or task["model"]
+        if dataset is None:
+            dataset, eval_paths = task["train"], eval_paths or [task["eval"]]
+    resume_dir = find_resume_dir(args.resume, ckpt_root) if args.resume else None
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    problems = encode_problems(tokenizer, load_problems(dataset), args.prompt_template, args.max_prompt_len, dataset)
+    eval_sets = {}
+    for path in eval_paths:
+        ps = encode_problems(tokenizer, load_problems(path), args.prompt_template, args.max_prompt_len, path)
+        eval_sets[eval_name(path)] = ps[:args.eval_max_problems] if args.eval_max_problems else ps
+    print0(f"[data] {len(problems)} training problems; eval: {', '.join(f'{k} ({len(v)})' for k, v in eval_sets.items()) or 'none'}")
+
+    # --- models: the trainer (FSDP2, fp32 master weights) and the sampler (its own copy, rollout precision)
+    weights_path = resume_dir or model_path
+    model = load_policy(weights_path, DTYPES[train_prec], device, args.gradient_checkpointing)
+    params = [p for p in model.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
+    scaler = LossScaler(enabled=train_prec == "fp16")
+    sampler_kind, why = resolve_sampler(args.sampler)
+    print0(f"[sampler] {sampler_kind} ({why})")
+    sampler = make_sampler(sampler_kind, weights_path, rollout_prec, device, args.seed, rank,
+                           args.max_prompt_len + args.max_response_len, args.sampler_batch_size, args.vllm_tp,
+                           args.vllm_gpu_memory_utilization, args.vllm_sleep_level)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    print0(f"[setup] {world_size} rank(s) on {device.type}; train {train_prec}, rollout {rollout_prec}; "
+           f"{sum(p.numel() for p in params) * world_size / 1e6:.1f}M parameters (approx.)")
+
+    start_step = 0
+    if resume_dir:
+        trainer_state, rank_state = load_training_state(resume_dir, model, optimizer)
+        start_step = trainer_state["step"]
+        scaler.load_state_dict(trainer_state["scaler"])
+        if rank_state:
+            set_rng_state(rank_state, getattr(sampler, "generator", None))
+        print0(f"[resume] from {resume_dir} at step {start_step}")
+
+    logger = Logger(run_dir, dataclasses.asdict(args), enabled=rank == 0, total_steps=args.num_steps,
+                    start_step=start_step, track=args.track, project=args.wandb_project, run_name=args.exp_name)
+    prompts_per_rank = args.num_prompts // world_size
+    epoch_orders = {}  # the same order on every rank; step s takes prompts [s*P, (s+1)*P) of the epochs' sequence
+
+    def batch_problems(step: int) -> list[dict]:
+        idx = []
+        for j in range(step * args.num_prompts + rank * prompts_per_rank,
+                       step * args.num_prompts + (rank + 1) * prompts_per_rank):
+            epoch, k = divmod(j, len(problems))
+            if epoch not in epoch_orders:
+                epoch_orders[epoch] = np.random.default_rng([args.seed, epoch]).permutation(len(problems))
+            idx.append(epoch_orders[epoch][k])
+        return [problems[i] for i in idx]
+
+    def micro_batches(lengths: list[int]) -> list[list[int]]:
+        """The same number of micro-batches on every rank (each forward/backward is a collective under FSDP)."""
+        groups = split_microbatches(lengths, args.micro_batch_tokens)
+        n = int(reduce_stats({"n": len(groups)}, "max", device)["n"])
+        return split_microbatches(lengths, args.micro_batch_tokens, min_count=n)
+
+    def run_eval(step: int) -> None:
+        if eval_sets:
+            sampler.wake_up()
+            metrics = evaluate(sampler, tokenizer, eval_sets, args.eval_k, args.eval_temperature, args.eval_top_p,
+                               args.max_response_len, args.reward, rank, world_size, device)
+            sampler.sleep()
+            logger.log(metrics, step, advance=False)
+
+    def save(step: int) -> None:
+        save_checkpoint(ckpt_root, step, model, model.lm, tokenizer, optimizer,
+                        {"scaler": scaler.state_dict()}, rng_state(getattr(sampler, "generator", None)), args.keep_last)
+
+    step = start_step
+    if start_step == 0 and args.eval_every:
+        run_eval(0)  # the starting point
+    for step in range(start_step + 1, args.num_steps + 1):
+        t_step = time.perf_counter()
+        # --- 1. sample G responses per prompt with the sampler (weights = the current policy, rollout precision)
+        t0 = time.perf_counter()
+        sampler.wake_up()
+        batch = batch_problems(step - 1)
+        rollout = sampler.generate([p["prompt_ids"] for p in batch], args.group_size, args.max_response_len,
+                                   args.temperature, 1.0)
+        sampler.sleep()
+        t_sample = time.perf_counter() - t0
+
+        # --- 2. rewards and std-normalized advantages (GSPO eq. 6; groups are whole on each rank)
+        texts = tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+        answers = [p["answer"] for p in batch for _ in range(args.group_size)]
+        rewards_B = torch.tensor(score_responses(texts, answers, rollout.finished, args.reward, args.truncated_reward))
+        adv_B = std_advantages(rewards_B, args.group_size)  # GSPO
+        resp_lens = [len(r) for r in rollout.response_ids]
+        seq_lens = [len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)]
+
+        # --- 3. recompute old_logp with the trainer (the weights that sampled the batch), and the entropy
+        t0 = time.perf_counter()
+        old_logp = [None] * len(seq_lens)
+        entropy_sum = 0.0
+        with torch.no_grad():
+            for mb in micro_batches(seq_lens):
+                ids, attn, rmask = collate([rollout.prompt_ids[i] for i in mb], [rollout.response_ids[i] for i in mb],
+                                           pad_id, device)
+                logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=True)
+                entropy_sum += ent_BT[rmask].sum().item()
+                for row, i in enumerate(mb):
+                    old_logp[i] = logp_BT[row, :resp_lens[i]].cpu()
+        t_recompute = time.perf_counter() - t0
+
+        # --- 4. mismatch metrics: the sampler's mu_logp against the trainer's old_logp, every response token
+        T = max(1, max(resp_lens))
+        rmask_all = torch.arange(T)[None] < torch.tensor(resp_lens)[:, None]
+        old_all, mu_all = pad_float(old_logp, T, "cpu"), pad_float(rollout.logprobs, T, "cpu")
+        sums, maxes, mins = mismatch_stats(old_all, mu_all, rmask_all, args.is_threshold,
+                                           seq_ratio=False)  # GSPO: diagnostics only, no correction
+        sums.update(reward=rewards_B.sum().item(), entropy=entropy_sum, resp_len=float(sum(resp_lens)),
+                    truncated=float(sum(not f for f in rollout.finished)), seq_tokens=float(sum(seq_lens)),
+                    all_correct=float((rewards_B.view(-1, args.group_size).min(-1).values == 1).sum()),
+                    all_wrong=float((rewards_B.view(-1, args.group_size).max(-1).values == 0).sum()))
+        maxes["resp_len"] = float(max(resp_lens))
+
+        # --- 5. num_minibatches optimizer steps over the rollout batch (whole groups per mini-batch)
+        t0 = time.perf_counter()
+        model.train()
+        seqs_per_mb = len(seq_lens) // args.num_minibatches
+        num_seqs_global = seqs_per_mb * world_size  # N_seq of the constant normalizer: all ranks, all micro-batches
+        loss_sum, pol = 0.0, {"clip": 0.0, "approx_kl": 0.0, "tokens": 0.0, "seqs": 0.0}  # GSPO: + seqs
+        grad_norms, skipped = [], 0
+        for k in range(args.num_minibatches):
+            mb_idx = list(range(k * seqs_per_mb, (k + 1) * seqs_per_mb))
+            for micro in micro_batches([seq_lens[i] for i in mb_idx]):
+                idx = [mb_idx[j] for j in micro]
+                ids, attn, rmask = collate([rollout.prompt_ids[i] for i in idx],
+                                           [rollout.response_ids[i] for i in idx], pad_id, device)
+                Tm = rmask.shape[1]
+                logp_BT, _ = model(ids, attn, rmask, args.temperature, args.logprob_chunk)
+                loss, stats = policy_loss(logp_BT, old_all[idx, :Tm].to(device), adv_B[idx].to(device),
+                                          rmask, args.eps_low, args.eps_high, num_seqs_global)  # GSPO
+                # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
+                scaler.scale_loss(loss * world_size).backward()
+                loss_sum += loss.item()
+                for key in pol:
+                    pol[key] += stats[key]
+            norm, was_skipped = scaler.step(params, optimizer, args.max_grad_norm)
+            grad_norms.append(norm)
+            skipped += was_skipped
+        t_train = time.perf_counter() - t0
+
+        # --- 6. push the new weights to the sampler
+        t0 = time.perf_counter()
+        sampler.load_weights(iter_full_state(model.lm, DTYPES[rollout_prec], device))
+        t_sync = time.perf_counter() - t0
+
+        # --- 7. log
+        sums.update(loss=loss_sum, clip=pol["clip"], approx_kl=pol["approx_kl"], policy_tokens=pol["tokens"],
+                    policy_seqs=pol["seqs"])  # GSPO
+        g, g_max, g_min = (reduce_stats(d, op, device) for d, op in ((sums, "sum"), (maxes, "max"), (mins, "min")))
+        n_seqs, n_groups, n_tok = g["n_seqs"], g["n_seqs"] / args.group_size, max(g["n_tokens"], 1.0)
+        metrics = {
+            "train/accuracy": g["reward"] / n_seqs,
+            "train/all_correct_frac": g["all_correct"] / n_groups, "train/all_wrong_frac": g["all_wrong"] / n_groups,
+            "train/response_len_mean": g["resp_len"] / n_seqs, "train/response_len_max": g_max["resp_len"],
+            "train/truncated_frac": g["truncated"] / n_seqs, "train/entropy": g["entropy"] / n_tok,
+            "train/loss": g["loss"] / args.num_minibatches,  # each rank's share sums to the mini-batch's loss
+            **mismatch_metrics(g, g_max, g_min, seq_ratio=False),
+            "policy/clip_frac": g["clip"] / max(g["policy_seqs"], 1.0),  # GSPO: a fraction of sequences
+            "policy/approx_kl": g["approx_kl"] / max(g["policy_tokens"], 1.0),
+            "optim/grad_norm": float(np.mean([n for n in grad_norms if np.isfinite(n)] or [float("nan")])),
+            "optim/loss_scale": scaler.scale, "optim/skipped_steps": scaler.skipped_steps, "optim/lr": args.lr,
+            "time/sample": t_sample, "time/recompute": t_recompute, "time/train": t_train, "time/sync": t_sync,
+            "perf/sample_tok_s": g["resp_len"] / t_sample,
+            "perf/train_tok_s": g["seq_tokens"] / t_train,  # prompt + response tokens, forward and backward
+        }
+        metrics["time/step"] = time.perf_counter() - t_step
+        logger.log(metrics, step)
+
+        if args.eval_every and step % args.eval_every == 0 and step < args.num_steps:
+            run_eval(step)
+        if args.save_every and step % args.save_every == 0 and step < args.num_steps:
+            save(step)
+
+    run_eval(step)
+    if step > start_step:
+        save(step)
+    logger.close()
+    sampler.shutdown()
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args())
+    except (ValueError, FileNotFoundError, PermissionError) as e:  # bad input: one line, no traceback
+        if os.environ.get("DEBUG"):
+            raise
+        print(f"{os.path.basename(__file__)}: error: {e}", file=sys.stderr)
+        sys.exit(2)

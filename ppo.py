@@ -1,0 +1,575 @@
+"""PPO with a critic (per-token GAE advantages), with optional rollout corrections for the training-inference
+mismatch (Token-TIS, Seq-MIS).
+
+What it is: PPO as the FP16 study runs it ("Defeating the Training-Inference Mismatch via FP16", arXiv 2510.26788;
+ALGORITHMS.md): a critic initialized from the policy's weights with a scalar value head, per-token GAE advantages
+(gamma = lambda = 1 by default) whitened over the rollout batch's response tokens, grpo.py's clipped surrogate with
+clip-higher (eps_low 0.2, eps_high 0.28) and constant normalizer on those advantages, a value loss clipped at 0.2,
+no KL term, no entropy bonus. The sampler's log-probs (mu) enter only through --is-correction, as in grpo.py.
+`diff grpo.py ppo.py` shows what PPO changes; new lines are marked `# PPO:`.
+
+    python ppo.py                                    # the built-in task: a tiny model learns addition, no downloads
+    python ppo.py --precision bf16                   # the same in BF16, to see the mismatch grow
+    torchrun --nproc_per_node 8 ppo.py --model /path/to/DeepSeek-R1-Distill-Qwen-1.5B \\
+        --dataset math_train.parquet --eval-dataset aime24.jsonl --precision fp16
+
+One step: sample a rollout batch (prompts x G responses) -> rewards -> recompute old_logp with the trainer and the
+values V_old with the critic -> GAE advantages and returns -> num_minibatches optimizer steps of both models, each
+accumulating micro-batches sized by a token budget -> push the new weights to the sampler -> log.
+
+Logged besides grpo.py's keys (train/loss is the policy loss; optim/* are the policy's optimizer):
+    critic/value_loss           the value loss of a mini-batch (its tokens on all ranks), mean over the mini-batches
+    critic/explained_variance   1 - Var(R - V_old) / Var(R) over the rollout batch's response tokens, all ranks
+    critic/value_mean           mean V_old (the critic before this step's update) over the response tokens
+    critic/return_mean          mean return R = A + V_old over the response tokens
+    critic/value_clip_frac      fraction of tokens where the clipped branch of the value loss is the larger one
+    critic/grad_norm            the critic's gradient norm before clipping, mean over the step's optimizer steps
+    critic/loss_scale           the critic's FP16 loss scale (1 otherwise)
+    critic/skipped_steps        the critic's optimizer steps skipped on inf/nan so far
+    critic/adv_std_raw          std of the GAE advantages before whitening (how much per-token signal there is)
+Checkpoints: <run_dir>/checkpoints/ as grpo.py (the policy, a Hugging Face directory), and
+<run_dir>/critic_checkpoints/step_NNNNNN/ for the critic (its transformer as a model directory, optimizer.pt, its loss
+scaler and value head in trainer_state.json); --resume restores both.
+"""
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from transformers import AutoTokenizer
+
+from common.checkpoint import find_resume_dir, load_training_state, rng_state, save_checkpoint, set_rng_state
+from common.critic import load_critic, value_head_state  # PPO: the value model
+from common.data import encode_problems, load_problems
+from common.dist import all_reduce, cleanup_distributed, print0, reduce_stats, seed_everything, setup_distributed
+from common.evaluate import eval_name, evaluate
+from common.fsdp import check_model_dir, iter_full_state, load_policy
+from common.logger import Logger
+from common.logprobs import collate, pad_float, split_microbatches
+from common.metrics import mismatch_metrics, mismatch_stats
+from common.precision import DTYPES, LossScaler, resolve_precisions
+from common.rewards import score_responses
+from common.sampler import make_sampler, resolve_sampler
+
+
+@dataclass
+class Args:
+    """Defaults are the study's for real runs (--model given); without --model the built-in task's small
+    defaults apply (BUILTIN below): `python ppo.py --help` shows those, `python ppo.py --model X --help` these."""
+    # --- run
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of the run (the run directory and wandb run are named after it)"""
+    seed: int = 1
+    """seed of the initial weights' randomness, the data order and (plus the rank) the sampling streams"""
+    run_dir: str | None = None
+    """where metrics.jsonl, config.json and checkpoints/ go (default: runs/<exp_name>_<seed>)"""
+    track: bool = False
+    """log to Weights & Biases too (offline mode when no account is configured)"""
+    wandb_project: str = "rl-mismatch"
+    """the wandb project"""
+    # --- model and data
+    model: str | None = None
+    """local Hugging Face model directory (default: the built-in task's tiny model, built on first use)"""
+    dataset: str | None = None
+    """training problems: .jsonl/.json/.parquet with problem (or prompt/question) and answer (or solution) fields"""
+    eval_dataset: tuple[str, ...] = ()
+    """evaluation files (same format), each logged as eval/<file name>/accuracy"""
+    prompt_template: str = "chat"
+    """'chat' (the tokenizer's chat template, with the R1-distill instruction) or a format string with {problem}
+    and optionally {instruction}, e.g. '{problem}\\n{instruction}\\n'"""
+    reward: Literal["math", "exact"] = "math"
+    """'math': math-verify on the last \\boxed{}; 'exact': the stripped response equals the answer"""
+    max_prompt_len: int = 1024
+    """prompts longer than this (tokens) are reported and skipped, never cut"""
+    max_response_len: int = 8192
+    """response length limit in tokens, and L_max of Dr.GRPO's constant normalizer"""
+    truncated_reward: float = 0.0
+    """reward of a response cut at the length limit (no end-of-sequence token)"""
+    # --- sampling
+    sampler: Literal["auto", "vllm", "hf"] = "auto"
+    """'vllm': an in-process vLLM engine per rank; 'hf': the fallback sampler on transformers (a plain copy of the
+    policy); 'auto': vllm when it is installed and a GPU is present, else hf"""
+    temperature: float = 1.0
+    """sampling temperature of training rollouts; the trainer divides its logits by it too"""
+    top_p: float = 1.0
+    """must stay 1.0 for training rollouts: a truncated distribution makes mu and pi incomparable"""
+    sampler_batch_size: int = 256
+    """sequences decoded at once by the fallback sampler"""
+    vllm_tp: int = 1
+    """vLLM tensor parallelism: each engine is sharded over this many consecutive ranks"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take for weights and KV cache (on CPU: of the NUMA node's memory); the
+    trainer needs the rest while vLLM is awake"""
+    vllm_sleep_level: Literal[0, 1, 2] = 1
+    """vLLM sleep mode while the trainer trains (GPU only): 1 offloads the weights to CPU and frees the KV cache, 2
+    also discards the weights (reloaded from the trainer before sampling), 0 keeps everything"""
+    # --- precision
+    precision: Literal["fp16", "bf16", "fp32"] = "fp16"
+    """precision of both the trainer's compute and the sampler's weights"""
+    train_precision: Literal["fp16", "bf16", "fp32"] | None = None
+    """override --precision for the trainer (FSDP2 param_dtype; master weights and Adam states are fp32)"""
+    rollout_precision: Literal["fp16", "bf16", "fp32"] | None = None
+    """override --precision for the sampler's weights"""
+    # --- algorithm
+    num_steps: int = 500
+    """RL steps (rollout batches)"""
+    num_prompts: int = 64
+    """prompts per rollout batch, over all ranks"""
+    group_size: int = 8
+    """responses per prompt (G)"""
+    num_minibatches: int = 4
+    """optimizer steps per rollout batch (each over num_prompts / num_minibatches prompts' groups)"""
+    micro_batch_tokens: int = 32768
+    """token budget of a micro-batch (rows x longest row, padding included); gradients accumulate over them"""
+    lr: float = 1e-6
+    """AdamW learning rate (constant)"""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+    eps_low: float = 0.2
+    """PPO clip: lower bound 1 - eps_low on the ratio"""
+    eps_high: float = 0.28
+    """PPO clip-higher (DAPO): upper bound 1 + eps_high on the ratio"""
+    is_correction: Literal["none", "token-tis", "seq-mis"] = "none"
+    """rollout correction: 'token-tis' weights each token by min(pi_old/mu, C); 'seq-mis' weights each sequence by
+    rho = prod_t pi_old/mu, masked to 0 where rho > C (ALGORITHMS.md)"""
+    is_threshold: float = 3.0
+    """C of the corrections (the study's text: 3; its code used 2 for Token-TIS and 10 for Seq-MIS)"""
+    critic_lr: float = 1e-5  # PPO
+    """critic AdamW learning rate (constant; betas, weight decay and grad-norm clip as the policy's). 10x the policy's,
+    as verl's PPO defaults (critic.optim.lr 1e-5, actor 1e-6)"""
+    gamma: float = 1.0  # PPO
+    """GAE discount (ALGORITHMS.md: 1)"""
+    lam: float = 1.0  # PPO
+    """GAE lambda (ALGORITHMS.md: 1; then every token's return is the terminal reward)"""
+    value_clip: float = 0.2  # PPO
+    """value-loss clip: V_clipped = V_old + clip(V - V_old, -value_clip, value_clip) (ALGORITHMS.md: 0.2)"""
+    # --- memory
+    gradient_checkpointing: bool = True
+    """recompute decoder layers' activations in the backward pass"""
+    logprob_chunk: int = 2048
+    """tokens per chunk of the fp32 log-prob head (bounds its memory at chunk x vocab floats)"""
+    # --- evaluation and checkpoints
+    eval_every: int = 50
+    """evaluate every N steps (and at the end); 0: only at the end"""
+    eval_k: int = 4
+    """responses per evaluation problem (avg@k)"""
+    eval_temperature: float = 0.6
+    """evaluation sampling temperature"""
+    eval_top_p: float = 0.95
+    """evaluation top-p"""
+    eval_max_problems: int = 0
+    """evaluate on at most this many problems of each file (0: all)"""
+    save_every: int = 100
+    """save a checkpoint every N steps (and at the end); 0: only at the end"""
+    keep_last: int = 3
+    """keep the newest N checkpoints (0: all)"""
+    resume: str | None = None
+    """resume from a checkpoint directory, or 'latest' for the newest one in <run_dir>/checkpoints"""
+
+
+# The built-in task's defaults (a 0.4M-parameter model learning addition on a CPU in a minute or two). Evaluation
+# samples as training does (temperature 1), so that eval accuracy shows what training changed.
+# PPO: 128 prompts x 4 responses (grpo.py: 64 x 8, the same 512 responses): PPO needs no groups, and more distinct
+# prompts teach the critic more (one seed each, eval at step 100: 0.84 at 64 x 8, 0.89 at 128 x 4). critic_lr 1e-3:
+# 3e-3 (at 64 x 8) left the critic's explained variance near 0, 1e-4 needed 20+ steps to learn the mean reward,
+# 3e-4 and 1e-3 did about equally well.
+BUILTIN = dict(num_steps=100, num_prompts=128, group_size=4, num_minibatches=2, micro_batch_tokens=4096, lr=5e-4,
+               critic_lr=1e-3,  # PPO
+               max_prompt_len=16, max_response_len=8, prompt_template="{problem}", reward="exact",
+               eval_every=20, eval_k=4, eval_temperature=1.0, eval_top_p=1.0, save_every=50, precision="fp32",
+               gradient_checkpointing=False, sampler_batch_size=1024)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The algorithm: pure functions, importable without side effects.
+
+def gae_advantages(rewards_B: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float,
+                   lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO: per-token GAE (Schulman et al. 2016, "High-Dimensional Continuous Control Using GAE", eq. 16). The terminal
+    reward r_i is the reward of the last response token, every other token's is 0, and the value after the last
+    token is 0:  delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lam A_{t+1},  R_t = A_t + V_t.
+    values_BT (V_old) and mask_BT in the left-aligned response layout. Returns (adv_BT, returns_BT), 0 off-mask."""
+    m = mask_BT.float()
+    V_BT = values_BT * m
+    last_B = mask_BT.sum(-1) - 1
+    adv_BT = torch.zeros_like(V_BT)
+    next_v_B, next_adv_B = torch.zeros_like(V_BT[:, 0]), torch.zeros_like(V_BT[:, 0])  # 0 after the last token
+    for t in reversed(range(V_BT.shape[1])):
+        r_B = torch.where(last_B == t, rewards_B.float(), torch.zeros_like(next_v_B))
+        delta_B = r_B + gamma * next_v_B - V_BT[:, t]
+        adv_BT[:, t] = (delta_B + gamma * lam * next_adv_B) * m[:, t]
+        next_v_B, next_adv_B = V_BT[:, t], adv_BT[:, t]  # both 0 past a sequence's end (left-aligned layout)
+    return adv_BT, adv_BT + V_BT
+
+
+def whiten_advantages(adv_BT: torch.Tensor, mask_BT: torch.Tensor, device=None) -> torch.Tensor:
+    """PPO: (A - mean) / sqrt(var + 1e-8), mean and unbiased variance over the response tokens of the whole rollout
+    batch, all ranks (one all-reduce), as verl's masked_whiten (verl/utils/torch_functional.py). 0 off-mask."""
+    m = mask_BT.double()
+    a = adv_BT.double() * m
+    n, s1, s2 = all_reduce(torch.stack([m.sum(), a.sum(), (a * a).sum()]).to(device)).tolist()
+    n = max(n, 1.0)
+    mean = s1 / n
+    var = (s2 / n - mean ** 2) * n / max(n - 1, 1.0)  # Bessel's correction, as verl
+    return ((adv_BT - mean) / np.sqrt(var + 1e-8) * mask_BT).float()
+
+
+def importance_weights(old_logp_BT, mu_logp_BT, mask_BT, is_correction: str, threshold: float) -> torch.Tensor:
+    """Constant per-token weights of the rollout correction (no gradient flows through them).
+    token-tis: w_it = min(exp(old_logp - mu_logp), C). seq-mis: w_i = rho_i * 1{rho_i <= C},
+    rho_i = exp(sum_t m_it (old_logp - mu_logp)). none: 1."""
+    if is_correction == "none":
+        return torch.ones_like(old_logp_BT)
+    d_BT = (old_logp_BT - mu_logp_BT) * mask_BT
+    if is_correction == "token-tis":
+        return torch.exp(d_BT).clamp(max=threshold)
+    if is_correction == "seq-mis":
+        log_rho_B = d_BT.sum(-1, keepdim=True)
+        # where(), not rho * mask: an overflowing rho (inf) would give inf * 0 = nan
+        w_B1 = torch.where(log_rho_B <= np.log(threshold), torch.exp(log_rho_B), torch.zeros_like(log_rho_B))
+        return w_B1.expand_as(old_logp_BT)
+    raise ValueError(f"unknown is_correction {is_correction!r}")
+
+
+def policy_loss(logp_BT, old_logp_BT, adv_BT, weight_BT, mask_BT, eps_low: float, eps_high: float,
+                max_response_len: int, num_seqs: int):  # PPO: per-token advantages adv_BT instead of adv_B
+    """Dr.GRPO's clipped surrogate with the constant normalizer, on PPO's per-token advantages A_it:
+    loss = (1/N_seq) sum_i sum_t m_it w_it l_it / L_max, l_it = -min(r_it A_it, clip(r_it, 1-eps_low, 1+eps_high) A_it),
+    r_it = exp(logp - old_logp). N_seq is the mini-batch's sequence count over all ranks and micro-batches, so
+    summing this over micro-batches (and averaging gradients over ranks, each rank's loss times world size) gives
+    the same value whatever the split. Returns (loss, local sums for the clip fraction and approx KL)."""
+    m = mask_BT.float()
+    log_ratio_BT = logp_BT - old_logp_BT
+    ratio_BT = torch.exp(log_ratio_BT)
+    surr1 = ratio_BT * adv_BT
+    surr2 = ratio_BT.clamp(1 - eps_low, 1 + eps_high) * adv_BT
+    loss_BT = -torch.min(surr1, surr2) * weight_BT
+    loss = (loss_BT * m).sum() / max_response_len / num_seqs
+    with torch.no_grad():
+        clipped = ((adv_BT > 0) & (ratio_BT > 1 + eps_high)) | ((adv_BT < 0) & (ratio_BT < 1 - eps_low))
+        stats = {"clip": (clipped.float() * m).sum().item(),
+                 "approx_kl": ((torch.expm1(log_ratio_BT) - log_ratio_BT) * m).sum().item(),  # k3 of KL(old||theta)
+                 "tokens": m.sum().item()}
+    return loss, stats
+
+
+def value_loss(values_BT, old_values_BT, returns_BT, mask_BT, value_clip: float, num_tokens: int):
+    """PPO: the clipped value loss (ALGORITHMS.md; verl/trainer/ppo/core_algos.py, compute_value_loss), averaged over
+    response tokens:
+    loss = (1/N_tok) sum_it m_it 0.5 max((V - R)^2, (V_clipped - R)^2),  V_clipped = V_old + clip(V - V_old, -c, c).
+    N_tok is the mini-batch's response-token count over all ranks and micro-batches, so as with policy_loss the
+    split changes nothing. Returns (loss, local sums for the clip fraction)."""
+    m = mask_BT.float()
+    v_clipped_BT = old_values_BT + (values_BT - old_values_BT).clamp(-value_clip, value_clip)
+    err_BT, err_clipped_BT = (values_BT - returns_BT) ** 2, (v_clipped_BT - returns_BT) ** 2
+    loss = (0.5 * torch.max(err_BT, err_clipped_BT) * m).sum() / num_tokens
+    with torch.no_grad():
+        stats = {"clip": ((err_clipped_BT > err_BT).float() * m).sum().item(), "tokens": m.sum().item()}
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    argv = sys.argv[1:] if argv is None else argv
+    builtin = not any(a == "--model" or a.startswith("--model=") for a in argv)
+    default = dataclasses.replace(Args(), **BUILTIN) if builtin else Args()
+    return tyro.cli(Args, default=default, args=argv)
+
+
+def validate(args: Args, world_size: int) -> None:
+    """Everything that can be checked before a model is loaded."""
+    def exact(a, b, what):
+        if a % b:
+            raise ValueError(f"{what}: {a} is not divisible by {b}")
+        return a // b
+    exact(args.num_prompts, world_size, "--num-prompts over the ranks (world size)")
+    exact(args.num_prompts // world_size, args.num_minibatches, "--num-prompts per rank over --num-minibatches")
+    if args.top_p != 1.0:
+        raise ValueError("--top-p must be 1.0 for training rollouts: a truncated distribution makes mu and pi "
+                         "incomparable (use --eval-top-p for evaluation)")
+    if args.temperature <= 0:
+        raise ValueError("--temperature must be > 0 for training rollouts")
+    exact(world_size, args.vllm_tp, "the number of ranks over --vllm-tp")
+    resolve_sampler(args.sampler)
+    if args.model is not None:
+        check_model_dir(args.model)
+    for path in ([args.dataset] if args.dataset else []) + list(args.eval_dataset):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"dataset {path!r}: no such file")
+    if args.resume not in (None, "latest") and not os.path.isdir(args.resume):
+        raise FileNotFoundError(f"--resume {args.resume!r}: no such directory")
+
+
+def main(args: Args) -> None:
+    rank, world_size, device = setup_distributed()
+    validate(args, world_size)
+    train_prec, rollout_prec = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
+    seed_everything(args.seed)
+    run_dir = args.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}")
+    ckpt_root = os.path.join(run_dir, "checkpoints")
+    critic_root = os.path.join(run_dir, "critic_checkpoints")  # PPO: the critic's checkpoints, same step names
+
+    # --- data
+    model_path, dataset, eval_paths = args.model, args.dataset, list(args.eval_dataset)
+    if model_path is None or dataset is None:
+        from common.builtin_task import ensure_builtin_task
+        task = ensure_builtin_task()  # built once, cached; a file lock keeps ranks from building it twice
+        model_path = model_path or task["model"]
+        if dataset is None:
+            dataset, eval_paths = task["train"], eval_paths or [task["eval"]]
+    resume_dir = find_resume_dir(args.resume, ckpt_root) if args.resume else None
+    # PPO: the critic checkpoint of the same step, in the critic_checkpoints/ next to the policy's checkpoints/
+    critic_resume_dir = (find_resume_dir(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(resume_dir))),
+                                                      "critic_checkpoints", os.path.basename(resume_dir)), critic_root)
+                         if resume_dir else None)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    problems = encode_problems(tokenizer, load_problems(dataset), args.prompt_template, args.max_prompt_len, dataset)
+    eval_sets = {}
+    for path in eval_paths:
+        ps = encode_problems(tokenizer, load_problems(path), args.prompt_template, args.max_prompt_len, path)
+        eval_sets[eval_name(path)] = ps[:args.eval_max_problems] if args.eval_max_problems else ps
+    print0(f"[data] {len(problems)} training problems; eval: {', '.join(f'{k} ({len(v)})' for k, v in eval_sets.items()) or 'none'}")
+
+    # --- models: the trainer (FSDP2, fp32 master weights) and the sampler (its own copy, rollout precision)
+    weights_path = resume_dir or model_path
+    model = load_policy(weights_path, DTYPES[train_prec], device, args.gradient_checkpointing)
+    params = [p for p in model.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
+    scaler = LossScaler(enabled=train_prec == "fp16")
+    # PPO: the critic starts from the policy's weights (ALGORITHMS.md) plus a value head, sharded and precision-managed
+    # as the policy (same MixedPrecisionPolicy, fp32 master weights), with its own AdamW and loss scaler
+    critic = load_critic(critic_resume_dir or model_path, DTYPES[train_prec], device, args.gradient_checkpointing,
+                         seed=args.seed)
+    critic_params = list(critic.parameters())
+    critic_optimizer = torch.optim.AdamW(critic_params, lr=args.critic_lr, betas=args.adam_betas,
+                                         weight_decay=args.weight_decay)
+    critic_scaler = LossScaler(enabled=train_prec == "fp16")
+    sampler_kind, why = resolve_sampler(args.sampler)
+    print0(f"[sampler] {sampler_kind} ({why})")
+    sampler = make_sampler(sampler_kind, weights_path, rollout_prec, device, args.seed, rank,
+                           args.max_prompt_len + args.max_response_len, args.sampler_batch_size, args.vllm_tp,
+                           args.vllm_gpu_memory_utilization, args.vllm_sleep_level)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    print0(f"[setup] {world_size} rank(s) on {device.type}; train {train_prec}, rollout {rollout_prec}; "
+           f"{sum(p.numel() for p in params) * world_size / 1e6:.1f}M parameters (approx.)")
+
+    start_step = 0
+    if resume_dir:
+        trainer_state, rank_state = load_training_state(resume_dir, model, optimizer)
+        start_step = trainer_state["step"]
+        scaler.load_state_dict(trainer_state["scaler"])
+        if rank_state:
+            set_rng_state(rank_state, getattr(sampler, "generator", None))
+        critic_state, _ = load_training_state(critic_resume_dir, critic, critic_optimizer)  # PPO
+        critic_scaler.load_state_dict(critic_state["scaler"])  # PPO (its value head was loaded by load_critic)
+        print0(f"[resume] from {resume_dir} at step {start_step}")
+
+    logger = Logger(run_dir, dataclasses.asdict(args), enabled=rank == 0, total_steps=args.num_steps,
+                    start_step=start_step, track=args.track, project=args.wandb_project, run_name=args.exp_name)
+    prompts_per_rank = args.num_prompts // world_size
+    epoch_orders = {}  # the same order on every rank; step s takes prompts [s*P, (s+1)*P) of the epochs' sequence
+
+    def batch_problems(step: int) -> list[dict]:
+        idx = []
+        for j in range(step * args.num_prompts + rank * prompts_per_rank,
+                       step * args.num_prompts + (rank + 1) * prompts_per_rank):
+            epoch, k = divmod(j, len(problems))
+            if epoch not in epoch_orders:
+                epoch_orders[epoch] = np.random.default_rng([args.seed, epoch]).permutation(len(problems))
+            idx.append(epoch_orders[epoch][k])
+        return [problems[i] for i in idx]
+
+    def micro_batches(lengths: list[int]) -> list[list[int]]:
+        """The same number of micro-batches on every rank (each forward/backward is a collective under FSDP)."""
+        groups = split_microbatches(lengths, args.micro_batch_tokens)
+        n = int(reduce_stats({"n": len(groups)}, "max", device)["n"])
+        return split_microbatches(lengths, args.micro_batch_tokens, min_count=n)
+
+    def run_eval(step: int) -> None:
+        if eval_sets:
+            sampler.wake_up()
+            metrics = evaluate(sampler, tokenizer, eval_sets, args.eval_k, args.eval_temperature, args.eval_top_p,
+                               args.max_response_len, args.reward, rank, world_size, device)
+            sampler.sleep()
+            logger.log(metrics, step, advance=False)
+
+    def save(step: int) -> None:
+        # PPO: the critic first, keeping one more than the policy: the newest policy checkpoint always has its critic,
+        # even when a run is killed between the two saves
+        save_checkpoint(critic_root, step, critic, critic.lm, tokenizer, critic_optimizer,
+                        {"scaler": critic_scaler.state_dict(), "value_head": value_head_state(critic)}, {},
+                        args.keep_last + 1 if args.keep_last > 0 else 0)
+        save_checkpoint(ckpt_root, step, model, model.lm, tokenizer, optimizer,
+                        {"scaler": scaler.state_dict()}, rng_state(getattr(sampler, "generator", None)), args.keep_last)
+
+    step = start_step
+    if start_step == 0 and args.eval_every:
+        run_eval(0)  # the starting point
+    for step in range(start_step + 1, args.num_steps + 1):
+        t_step = time.perf_counter()
+        # --- 1. sample G responses per prompt with the sampler (weights = the current policy, rollout precision)
+        t0 = time.perf_counter()
+        sampler.wake_up()
+        batch = batch_problems(step - 1)
+        rollout = sampler.generate([p["prompt_ids"] for p in batch], args.group_size, args.max_response_len,
+                                   args.temperature, 1.0)
+        sampler.sleep()
+        t_sample = time.perf_counter() - t0
+
+        # --- 2. rewards (PPO: the advantages come from the critic's values, after step 3)
+        texts = tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+        answers = [p["answer"] for p in batch for _ in range(args.group_size)]
+        rewards_B = torch.tensor(score_responses(texts, answers, rollout.finished, args.reward, args.truncated_reward))
+        resp_lens = [len(r) for r in rollout.response_ids]
+        seq_lens = [len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)]
+
+        # --- 3. recompute old_logp with the trainer (the weights that sampled the batch), and the entropy
+        # PPO: and V_old with the critic, on the same micro-batches (the values of GAE and of the value clip)
+        t0 = time.perf_counter()
+        old_logp = [None] * len(seq_lens)
+        old_values = [None] * len(seq_lens)  # PPO
+        entropy_sum = 0.0
+        with torch.no_grad():
+            for mb in micro_batches(seq_lens):
+                ids, attn, rmask = collate([rollout.prompt_ids[i] for i in mb], [rollout.response_ids[i] for i in mb],
+                                           pad_id, device)
+                logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=True)
+                entropy_sum += ent_BT[rmask].sum().item()
+                values_BT = critic(ids, attn, rmask)  # PPO
+                for row, i in enumerate(mb):
+                    old_logp[i] = logp_BT[row, :resp_lens[i]].cpu()
+                    old_values[i] = values_BT[row, :resp_lens[i]].cpu()  # PPO
+        t_recompute = time.perf_counter() - t0
+
+        # --- 4. mismatch metrics: the sampler's mu_logp against the trainer's old_logp, every response token
+        T = max(1, max(resp_lens))
+        rmask_all = torch.arange(T)[None] < torch.tensor(resp_lens)[:, None]
+        old_all, mu_all = pad_float(old_logp, T, "cpu"), pad_float(rollout.logprobs, T, "cpu")
+        sums, maxes, mins = mismatch_stats(old_all, mu_all, rmask_all, args.is_threshold,
+                                           seq_ratio=args.is_correction == "seq-mis")
+        sums.update(reward=rewards_B.sum().item(), entropy=entropy_sum, resp_len=float(sum(resp_lens)),
+                    truncated=float(sum(not f for f in rollout.finished)), seq_tokens=float(sum(seq_lens)),
+                    all_correct=float((rewards_B.view(-1, args.group_size).min(-1).values == 1).sum()),
+                    all_wrong=float((rewards_B.view(-1, args.group_size).max(-1).values == 0).sum()))
+        maxes["resp_len"] = float(max(resp_lens))
+        weight_all = importance_weights(old_all, mu_all, rmask_all, args.is_correction, args.is_threshold)
+        # PPO: per-token GAE advantages and returns from V_old, the advantages whitened over all ranks' response tokens
+        values_all = pad_float(old_values, T, "cpu")
+        adv_raw, returns_all = gae_advantages(rewards_B, values_all, rmask_all, args.gamma, args.lam)
+        adv_all = whiten_advantages(adv_raw, rmask_all, device)
+        resid = (returns_all - values_all) * rmask_all  # PPO: for the explained variance of V_old
+        sums.update(value=values_all.sum().item(), ret=returns_all.sum().item(), ret_sq=(returns_all ** 2).sum().item(),
+                    resid=resid.sum().item(), resid_sq=(resid ** 2).sum().item(),
+                    adv_raw=adv_raw.sum().item(), adv_raw_sq=(adv_raw ** 2).sum().item())
+
+        # --- 5. num_minibatches optimizer steps over the rollout batch (whole groups per mini-batch); PPO: both models
+        t0 = time.perf_counter()
+        model.train()
+        critic.train()  # PPO
+        seqs_per_mb = len(seq_lens) // args.num_minibatches
+        num_seqs_global = seqs_per_mb * world_size  # N_seq of the constant normalizer: all ranks, all micro-batches
+        # PPO: N_tok of the value loss, each mini-batch's response tokens over all ranks (one all-reduce)
+        num_tokens_global = reduce_stats({k: sum(resp_lens[k * seqs_per_mb:(k + 1) * seqs_per_mb])
+                                          for k in range(args.num_minibatches)}, "sum", device)
+        loss_sum, pol = 0.0, {"clip": 0.0, "approx_kl": 0.0, "tokens": 0.0}
+        grad_norms, skipped = [], 0
+        vloss_sum, vclip, critic_grad_norms = 0.0, 0.0, []  # PPO
+        for k in range(args.num_minibatches):
+            mb_idx = list(range(k * seqs_per_mb, (k + 1) * seqs_per_mb))
+            for micro in micro_batches([seq_lens[i] for i in mb_idx]):
+                idx = [mb_idx[j] for j in micro]
+                ids, attn, rmask = collate([rollout.prompt_ids[i] for i in idx],
+                                           [rollout.response_ids[i] for i in idx], pad_id, device)
+                Tm = rmask.shape[1]
+                logp_BT, _ = model(ids, attn, rmask, args.temperature, args.logprob_chunk)
+                loss, stats = policy_loss(logp_BT, old_all[idx, :Tm].to(device), adv_all[idx, :Tm].to(device),
+                                          weight_all[idx, :Tm].to(device), rmask, args.eps_low, args.eps_high,
+                                          args.max_response_len, num_seqs_global)
+                # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
+                scaler.scale_loss(loss * world_size).backward()
+                loss_sum += loss.item()
+                for key in pol:
+                    pol[key] += stats[key]
+                # PPO: the critic on the same micro-batch; its loss is a mean over N_tok, so times world_size again
+                values_BT = critic(ids, attn, rmask)
+                vloss, vstats = value_loss(values_BT, values_all[idx, :Tm].to(device),
+                                           returns_all[idx, :Tm].to(device), rmask, args.value_clip,
+                                           max(num_tokens_global[k], 1.0))
+                critic_scaler.scale_loss(vloss * world_size).backward()
+                vloss_sum += vloss.item()
+                vclip += vstats["clip"]
+            norm, was_skipped = scaler.step(params, optimizer, args.max_grad_norm)
+            grad_norms.append(norm)
+            skipped += was_skipped
+            # PPO: the critic's step, with its own loss scaler (unscale -> clip -> step or skip -> update)
+            critic_grad_norms.append(critic_scaler.step(critic_params, critic_optimizer, args.max_grad_norm)[0])
+        t_train = time.perf_counter() - t0
+
+        # --- 6. push the new weights to the sampler
+        t0 = time.perf_counter()
+        sampler.load_weights(iter_full_state(model.lm, DTYPES[rollout_prec], device))
+        t_sync = time.perf_counter() - t0
+
+        # --- 7. log
+        sums.update(loss=loss_sum, clip=pol["clip"], approx_kl=pol["approx_kl"], policy_tokens=pol["tokens"])
+        sums.update(value_loss=vloss_sum, value_clip=vclip)  # PPO
+        g, g_max, g_min = (reduce_stats(d, op, device) for d, op in ((sums, "sum"), (maxes, "max"), (mins, "min")))
+        n_seqs, n_groups, n_tok = g["n_seqs"], g["n_seqs"] / args.group_size, max(g["n_tokens"], 1.0)
+        metrics = {
+            "train/accuracy": g["reward"] / n_seqs,
+            "train/all_correct_frac": g["all_correct"] / n_groups, "train/all_wrong_frac": g["all_wrong"] / n_groups,
+            "train/response_len_mean": g["resp_len"] / n_seqs, "train/response_len_max": g_max["resp_len"],
+            "train/truncated_frac": g["truncated"] / n_seqs, "train/entropy": g["entropy"] / n_tok,
+            "train/loss": g["loss"] / args.num_minibatches,  # each rank's share sums to the mini-batch's loss
+            **mismatch_metrics(g, g_max, g_min, seq_ratio=args.is_correction == "seq-mis"),
+            "policy/clip_frac": g["clip"] / max(g["policy_tokens"], 1.0),
+            "policy/approx_kl": g["approx_kl"] / max(g["policy_tokens"], 1.0),
+            "optim/grad_norm": float(np.mean([n for n in grad_norms if np.isfinite(n)] or [float("nan")])),
+            "optim/loss_scale": scaler.scale, "optim/skipped_steps": scaler.skipped_steps, "optim/lr": args.lr,
+            "time/sample": t_sample, "time/recompute": t_recompute, "time/train": t_train, "time/sync": t_sync,
+            "perf/sample_tok_s": g["resp_len"] / t_sample,
+            "perf/train_tok_s": g["seq_tokens"] / t_train,  # prompt + response tokens, forward and backward
+            # PPO: the critic (V_old: its values before this step's update; R = A + V_old, before whitening)
+            "critic/value_loss": g["value_loss"] / args.num_minibatches,
+            "critic/explained_variance": 1 - (g["resid_sq"] / n_tok - (g["resid"] / n_tok) ** 2)
+                                         / max(g["ret_sq"] / n_tok - (g["ret"] / n_tok) ** 2, 1e-8),
+            "critic/value_mean": g["value"] / n_tok, "critic/return_mean": g["ret"] / n_tok,
+            "critic/value_clip_frac": g["value_clip"] / max(g["policy_tokens"], 1.0),
+            "critic/grad_norm": float(np.mean([n for n in critic_grad_norms if np.isfinite(n)] or [float("nan")])),
+            "critic/loss_scale": critic_scaler.scale, "critic/skipped_steps": critic_scaler.skipped_steps,
+            "critic/adv_std_raw": float(np.sqrt(max(g["adv_raw_sq"] / n_tok - (g["adv_raw"] / n_tok) ** 2, 0.0))),
+        }
+        metrics["time/step"] = time.perf_counter() - t_step
+        logger.log(metrics, step)
+
+        if args.eval_every and step % args.eval_every == 0 and step < args.num_steps:
+            run_eval(step)
+        if args.save_every and step % args.save_every == 0 and step < args.num_steps:
+            save(step)
+
+    run_eval(step)
+    if step > start_step:
+        save(step)
+    logger.close()
+    sampler.shutdown()
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args())
+    except (ValueError, FileNotFoundError, PermissionError) as e:  # bad input: one line, no traceback
+        if os.environ.get("DEBUG"):
+            raise
+        print(f"{os.path.basename(__file__)}: error: {e}", file=sys.stderr)
+        sys.exit(2)
