@@ -9,10 +9,8 @@ import os
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM
 
-from common.fsdp import decoder_layers
+from common.fsdp import load_sharded
 from common.logprobs import response_positions
 
 
@@ -61,25 +59,15 @@ def load_critic(path: str, param_dtype: torch.dtype, device: torch.device, gradi
     """Load fp32 master weights from the model directory `path` (the policy's, or a critic checkpoint), add the value
     head (from `path`'s trainer_state.json when it is a critic checkpoint, else a fresh one from `seed`), shard with
     FSDP2 as load_policy does and return the CriticModel (the FSDP root)."""
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
-    if gradient_checkpointing:
-        if hasattr(lm, "activation_checkpointing_enable"):  # the name since transformers 5.2x
-            lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    lm.config.use_cache = False
-    head = init_value_head(lm.config.hidden_size, seed)
-    saved = saved_value_head(path)
-    if saved is not None:
-        with torch.no_grad():
-            head.weight.copy_(torch.tensor(saved["weight"], dtype=torch.float32))
-            head.bias.copy_(torch.tensor(saved["bias"], dtype=torch.float32))
-    model = CriticModel(lm, head).to(device)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for layer in decoder_layers(lm):
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)  # the root: embedding, final norm, lm_head, value head
-    return model
+    def wrap(lm):
+        head = init_value_head(lm.config.hidden_size, seed)
+        saved = saved_value_head(path)
+        if saved is not None:
+            with torch.no_grad():
+                head.weight.copy_(torch.tensor(saved["weight"], dtype=torch.float32))
+                head.bias.copy_(torch.tensor(saved["bias"], dtype=torch.float32))
+        return CriticModel(lm, head)  # the FSDP root: embedding, final norm, (unused) lm_head, value head
+    return load_sharded(path, wrap, param_dtype, device, gradient_checkpointing, attn_implementation)
 
 
 # The value head is not part of the Hugging Face model, so save_checkpoint (which writes the `lm` child) does not

@@ -31,24 +31,34 @@ def decoder_layers(lm: nn.Module) -> nn.ModuleList:
     return base.layers
 
 
-def load_policy(path: str, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool,
-                attn_implementation: str = "sdpa") -> PolicyModel:
-    """Load fp32 master weights, shard them with FSDP2 and return the PolicyModel wrapper (the FSDP root)."""
+def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool,
+                 attn_implementation: str = "sdpa") -> nn.Module:
+    """Load a Hugging Face causal LM's fp32 master weights, wrap it (`wrap(lm)` -> the root module, e.g. PolicyModel),
+    and shard with FSDP2: each decoder layer, then the root, which so owns the embedding, the final norm and the
+    lm_head (kept together: they may be tied) and whatever the wrapper adds."""
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
-    if lm.lm_head.bias is not None:
-        raise ValueError("lm_head with a bias is not supported by the chunked log-prob head")
     if gradient_checkpointing:
         if hasattr(lm, "activation_checkpointing_enable"):  # the name since transformers 5.2x
             lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lm.config.use_cache = False
-    model = PolicyModel(lm).to(device)
+    model = wrap(lm).to(device)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in decoder_layers(lm):
         fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)  # the root: embedding, final norm, lm_head (kept together: they may be tied)
+    fully_shard(model, mp_policy=mp)
     return model
+
+
+def load_policy(path: str, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool,
+                attn_implementation: str = "sdpa") -> PolicyModel:
+    """The policy: the FSDP2-sharded PolicyModel wrapper (its forward returns the response tokens' log-probs)."""
+    def wrap(lm):
+        if lm.lm_head.bias is not None:
+            raise ValueError("lm_head with a bias is not supported by the chunked log-prob head")
+        return PolicyModel(lm)
+    return load_sharded(path, wrap, param_dtype, device, gradient_checkpointing, attn_implementation)
 
 
 @torch.no_grad()
