@@ -79,11 +79,15 @@ def test_vllm_logprobs_equal_trainer_fp32(engine, process_group, temperature):
     assert max(diffs) < LOGPROB_ATOL
 
 
-def test_grpo_with_vllm_under_torchrun(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_grpo_with_vllm_under_torchrun(tmp_path, tp):
+    """tp 1: an engine per rank; tp 2: one engine sharded over both ranks, which sample their prompts together and
+    take back their own (a misrouted response would show as a large kl_k3)."""
     run_dir = str(tmp_path / "run")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "grpo.py",
-           "--sampler", "vllm", "--vllm-gpu-memory-utilization", "0.15", "--run-dir", run_dir, "--num-steps", "2",
+           "--sampler", "vllm", "--vllm-tp", str(tp), "--vllm-gpu-memory-utilization", "0.15", "--run-dir", run_dir,
+           "--num-steps", "2",
            "--num-prompts", "8", "--group-size", "4", "--eval-every", "0", "--save-every", "0"]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
