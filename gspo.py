@@ -416,9 +416,9 @@ def main(args: Args) -> None:
         if args.save_every and step % args.save_every == 0 and step < args.num_steps:
             save(step)
 
-    run_eval(step)
-    if step > start_step:
+    if step > start_step:  # before the final evaluation, whose sampling would advance the saved sampler stream
         save(step)
+    run_eval(step)
     logger.close()
     sampler.shutdown()
     cleanup_distributed()
