@@ -111,10 +111,10 @@ class VLLMSampler:
         params = SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                                 max_tokens=max_new_tokens, logprobs=0, detokenize=False)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        if self.tp_group is not None:
-            outputs = outputs[offset:offset + mine]
+        if self.tp_group is not None:  # this rank's own share back
+            prompts, outputs = prompts[offset:offset + mine], outputs[offset:offset + mine]
         out = Rollout()
-        for prompt, request in zip(prompts if self.tp_group is None else prompts[offset:offset + mine], outputs):
+        for prompt, request in zip(prompts, outputs):
             for c in request.outputs:
                 ids = list(c.token_ids)
                 out.prompt_ids.append(prompt)
