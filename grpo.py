@@ -354,8 +354,9 @@ def main(args: Args) -> None:
                                            pad_id, device)
                 logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=True)
                 entropy_sum += ent_BT[rmask].sum().item()
+                logp_BT = logp_BT.cpu()  # one device-to-host copy per micro-batch, not one per row
                 for row, i in enumerate(mb):
-                    old_logp[i] = logp_BT[row, :resp_lens[i]].cpu()
+                    old_logp[i] = logp_BT[row, :resp_lens[i]]
         t_recompute = time.perf_counter() - t0
 
         # --- 4. mismatch metrics: the sampler's mu_logp against the trainer's old_logp, every response token

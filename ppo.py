@@ -445,10 +445,11 @@ def main(args: Args) -> None:
                                            pad_id, device)
                 logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=True)
                 entropy_sum += ent_BT[rmask].sum().item()
-                values_BT = critic(ids, attn, rmask)  # PPO
+                values_BT = critic(ids, attn, rmask).cpu()  # PPO
+                logp_BT = logp_BT.cpu()  # one device-to-host copy per micro-batch, not one per row
                 for row, i in enumerate(mb):
-                    old_logp[i] = logp_BT[row, :resp_lens[i]].cpu()
-                    old_values[i] = values_BT[row, :resp_lens[i]].cpu()  # PPO
+                    old_logp[i] = logp_BT[row, :resp_lens[i]]
+                    old_values[i] = values_BT[row, :resp_lens[i]]  # PPO
         t_recompute = time.perf_counter() - t0
 
         # --- 4. mismatch metrics: the sampler's mu_logp against the trainer's old_logp, every response token
