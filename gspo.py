@@ -38,9 +38,9 @@ from common.evaluate import eval_name, evaluate
 from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
 from common.logprobs import collate, pad_float, split_microbatches
-from common.metrics import mismatch_metrics, mismatch_stats
-from common.precision import DTYPES, LossScaler, resolve_precisions
-from common.rewards import score_responses
+from common.metrics import MismatchMonitor, mismatch_metrics, mismatch_stats
+from common.precision import DTYPES, LossScaler, TrainingFault, resolve_precisions
+from common.rewards import score_rollout
 from common.sampler import make_sampler, resolve_sampler
 
 
@@ -133,6 +133,15 @@ class Args:
     """recompute decoder layers' activations in the backward pass"""
     logprob_chunk: int = 2048
     """tokens per chunk of the fp32 log-prob head (bounds its memory at chunk x vocab floats)"""
+    # --- faults
+    max_skipped_steps: int = 20
+    """stop (saving the last good weights) after this many fp16 optimizer steps in a row skipped for non-finite
+    gradients; in bf16/fp32 the first non-finite gradient stops the run (0: never stop for fp16 skips)"""
+    kl_warn_factor: float = 10.0
+    """warn (log line, mismatch/collapse_warning) when kl_k3 averaged over the last kl_baseline_steps steps exceeds
+    this factor times its average over the first ones (0: off)"""
+    kl_baseline_steps: int = 10
+    """steps of the early kl_k3 baseline, and of the moving average compared with it"""
     # --- evaluation and checkpoints
     eval_every: int = 50
     """evaluate every N steps (and at the end); 0: only at the end"""
@@ -256,7 +265,8 @@ def main(args: Args) -> None:
     model = load_policy(weights_path, DTYPES[train_prec], device, args.gradient_checkpointing)
     params = [p for p in model.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
-    scaler = LossScaler(enabled=train_prec == "fp16")
+    scaler = LossScaler(enabled=train_prec == "fp16", max_consecutive_skips=args.max_skipped_steps)
+    monitor = MismatchMonitor(args.kl_warn_factor, args.kl_baseline_steps)  # early warning of collapse
     sampler_kind, why = resolve_sampler(args.sampler)
     print0(f"[sampler] {sampler_kind} ({why})")
     sampler = make_sampler(sampler_kind, weights_path, rollout_prec, device, args.seed, rank,
@@ -271,6 +281,7 @@ def main(args: Args) -> None:
         trainer_state, rank_state = load_training_state(resume_dir, model, optimizer)
         start_step = trainer_state["step"]
         scaler.load_state_dict(trainer_state["scaler"])
+        monitor.load_state_dict(trainer_state["kl_monitor"])
         if rank_state:
             set_rng_state(rank_state, getattr(sampler, "generator", None))
         print0(f"[resume] from {resume_dir} at step {start_step}")
@@ -306,7 +317,8 @@ def main(args: Args) -> None:
 
     def save(step: int) -> None:
         save_checkpoint(ckpt_root, step, model, model.lm, tokenizer, optimizer,
-                        {"scaler": scaler.state_dict()}, rng_state(getattr(sampler, "generator", None)), args.keep_last)
+                        {"scaler": scaler.state_dict(), "kl_monitor": monitor.state_dict()},
+                        rng_state(getattr(sampler, "generator", None)), args.keep_last)
 
     step = start_step
     if start_step == 0 and args.eval_every:
@@ -325,7 +337,8 @@ def main(args: Args) -> None:
         # --- 2. rewards and std-normalized advantages (GSPO eq. 6; groups are whole on each rank)
         texts = tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
         answers = [p["answer"] for p in batch for _ in range(args.group_size)]
-        rewards_B = torch.tensor(score_responses(texts, answers, rollout.finished, args.reward, args.truncated_reward))
+        rewards, reward_failures = score_rollout(texts, answers, rollout.finished, args.reward, args.truncated_reward)
+        rewards_B = torch.tensor(rewards)
         adv_B = std_advantages(rewards_B, args.group_size)  # GSPO
         resp_lens = [len(r) for r in rollout.response_ids]
         seq_lens = [len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)]
@@ -351,7 +364,8 @@ def main(args: Args) -> None:
         old_all, mu_all = pad_float(old_logp, T, "cpu"), pad_float(rollout.logprobs, T, "cpu")
         sums, maxes, mins = mismatch_stats(old_all, mu_all, rmask_all, args.is_threshold,
                                            seq_ratio=False)  # GSPO: diagnostics only, no correction
-        sums.update(reward=rewards_B.sum().item(), entropy=entropy_sum, resp_len=float(sum(resp_lens)),
+        sums.update(reward=rewards_B.sum().item(), reward_failures=float(reward_failures), entropy=entropy_sum,
+                    resp_len=float(sum(resp_lens)),
                     truncated=float(sum(not f for f in rollout.finished)), seq_tokens=float(sum(seq_lens)),
                     all_correct=float((rewards_B.view(-1, args.group_size).min(-1).values == 1).sum()),
                     all_wrong=float((rewards_B.view(-1, args.group_size).max(-1).values == 0).sum()))
@@ -382,6 +396,8 @@ def main(args: Args) -> None:
             norm, was_skipped = scaler.step(params, optimizer, args.max_grad_norm)
             grad_norms.append(norm)
             skipped += was_skipped
+            if scaler.fault:
+                break  # no more updates from this batch; the run stops after logging it
         t_train = time.perf_counter() - t0
 
         # --- 6. push the new weights to the sampler
@@ -395,7 +411,7 @@ def main(args: Args) -> None:
         g, g_max, g_min = (reduce_stats(d, op, device) for d, op in ((sums, "sum"), (maxes, "max"), (mins, "min")))
         n_seqs, n_groups, n_tok = g["n_seqs"], g["n_seqs"] / args.group_size, max(g["n_tokens"], 1.0)
         metrics = {
-            "train/accuracy": g["reward"] / n_seqs,
+            "train/accuracy": g["reward"] / n_seqs, "train/reward_failures": g["reward_failures"],
             "train/all_correct_frac": g["all_correct"] / n_groups, "train/all_wrong_frac": g["all_wrong"] / n_groups,
             "train/response_len_mean": g["resp_len"] / n_seqs, "train/response_len_max": g_max["resp_len"],
             "train/truncated_frac": g["truncated"] / n_seqs, "train/entropy": g["entropy"] / n_tok,
@@ -409,8 +425,15 @@ def main(args: Args) -> None:
             "perf/sample_tok_s": g["resp_len"] / t_sample,
             "perf/train_tok_s": g["seq_tokens"] / t_train,  # prompt + response tokens, forward and backward
         }
+        kl_metrics, warning = monitor.update(metrics["mismatch/kl_k3"])
+        metrics.update(kl_metrics)
         metrics["time/step"] = time.perf_counter() - t_step
         logger.log(metrics, step)
+        if warning:
+            print0(warning)
+        if scaler.fault:  # a skipped step left the weights untouched: they are the last good state; keep it and stop
+            save(step)
+            raise TrainingFault(f"step {step}: {scaler.fault}; the last good state is saved in {ckpt_root}")
 
         if args.eval_every and step % args.eval_every == 0 and step < args.num_steps:
             run_eval(step)
@@ -428,8 +451,8 @@ def main(args: Args) -> None:
 if __name__ == "__main__":
     try:
         main(parse_args())
-    except (ValueError, FileNotFoundError, PermissionError) as e:  # bad input: one line, no traceback
+    except (ValueError, FileNotFoundError, PermissionError, TrainingFault) as e:  # one line, no traceback
         if os.environ.get("DEBUG"):
             raise
         print(f"{os.path.basename(__file__)}: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(3 if isinstance(e, TrainingFault) else 2)  # 3: stopped by a fault, 2: bad input

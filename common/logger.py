@@ -21,7 +21,7 @@ class Logger:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=2, default=str)
-        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # append: a resumed run keeps its history
+        self.file = open_metrics(os.path.join(run_dir, "metrics.jsonl"), start_step)
         self.bar = tqdm(total=total_steps, initial=start_step, desc=run_name or "train", dynamic_ncols=True,
                         disable=None)  # None: a bar on a terminal, none in a log file
         self.wandb = None
@@ -52,6 +52,34 @@ class Logger:
         self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def open_metrics(path: str, start_step: int):
+    """metrics.jsonl for appending. A resumed run keeps the rows up to its checkpoint's step and drops later ones,
+    which a crash left behind and the resumed run logs anew. A fresh run moves an old file aside to .prev."""
+    if os.path.exists(path):
+        if start_step == 0:
+            os.replace(path, path + ".prev")
+            print(f"[log] {path} existed: moved to {path}.prev (use --resume latest to continue that run)")
+        else:
+            with open(path) as f:
+                lines = f.readlines()
+            keep = [line for line in lines if _step(line) is not None and _step(line) <= start_step]
+            if len(keep) < len(lines):
+                tmp = path + ".tmp"
+                with open(tmp, "w") as f:
+                    f.writelines(keep)
+                os.replace(tmp, path)
+                print(f"[log] dropped {len(lines) - len(keep)} rows of metrics.jsonl logged after step {start_step}, "
+                      "the checkpoint resumed from")
+    return open(path, "a")
+
+
+def _step(line: str) -> int | None:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):  # a row torn by a crash mid-write
+        return None
 
 
 def fmt(x) -> str:

@@ -43,3 +43,42 @@ def mismatch_metrics(sums: dict, maxes: dict, mins: dict, seq_ratio: bool) -> di
         "is/token_clip_frac": sums["token_clip"] / n_tok, "is/seq_mask_frac": sums["seq_mask"] / n_seq,
         "is/ratio_mean": sums["ratio"] / (n_seq if seq_ratio else n_tok), "is/ratio_max": maxes["ratio"],
     }
+
+
+class MismatchMonitor:
+    """Early warning of collapse. In the FP16 study the training-inference mismatch grows before training collapses
+    (BF16's KL(mu||pi) climbs from about 1e-3 towards 1). The baseline is the mean kl_k3 of the first `window`
+    steps; from then on, the mean of the last `window` steps over the baseline (floored at `floor`, so that a
+    near-exact fp32 baseline does not turn noise into alarms) is the growth, and a growth past `factor` warns.
+    Its state goes into checkpoints, so a resumed run keeps its baseline."""
+
+    def __init__(self, factor: float, window: int, floor: float = 1e-6):
+        self.factor, self.window, self.floor = factor, window, floor
+        self.baseline: float | None = None
+        self.recent: list[float] = []  # the first `window` values until the baseline exists, then the last `window`
+        self.warning = False
+
+    def update(self, kl: float) -> tuple[dict, str | None]:
+        """Metrics for this step, and a message when the warning switches on or off."""
+        if self.factor <= 0 or not self.window:
+            return {}, None
+        self.recent = (self.recent + [kl])[-self.window:]
+        if self.baseline is None:
+            if len(self.recent) == self.window:
+                self.baseline = sum(self.recent) / self.window
+            return {}, None
+        growth = sum(self.recent) / self.window / max(self.baseline, self.floor)
+        warning, message = growth > self.factor, None
+        if warning != self.warning:
+            message = (f"[warning] the training-inference mismatch grew {growth:.1f}x over its early baseline "
+                       f"(kl_k3 {self.baseline:.2e} -> {sum(self.recent) / self.window:.2e}): in the FP16 study this "
+                       "came before collapse" if warning else
+                       f"[warning] the mismatch is back under {self.factor:g}x its early baseline")
+        self.warning = warning
+        return {"mismatch/kl_growth": growth, "mismatch/collapse_warning": float(warning)}, message
+
+    def state_dict(self) -> dict:
+        return {"baseline": self.baseline, "recent": self.recent, "warning": self.warning}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.baseline, self.recent, self.warning = state["baseline"], list(state["recent"]), state["warning"]

@@ -8,6 +8,10 @@ import math
 
 import torch
 
+
+class TrainingFault(RuntimeError):
+    """A numerical fault the run cannot train through; the scripts save the last good state and stop."""
+
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -27,16 +31,24 @@ class LossScaler:
     Why not torch.amp.GradScaler: under FSDP2 every rank holds a shard of the gradients, and GradScaler decides to
     skip from the shards it sees, so one rank can skip a step that another takes. Here the decision comes from the
     global gradient norm (clip_grad_norm_ all-reduces it over the shards), so every rank skips the same steps.
+
+    A skipped step leaves the weights untouched. `fault` says when the run should stop rather than skip on: a
+    non-finite gradient without loss scaling (bf16/fp32: no overflow to blame, something is broken), or
+    `max_consecutive_skips` fp16 steps in a row skipped (the scale no longer recovers; 0: never).
     """
 
     def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5, min_scale: float = 1.0):
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5, min_scale: float = 1.0,
+                 max_consecutive_skips: int = 20):
         self.enabled = enabled
         self.scale = init_scale if enabled else 1.0
         self.growth_interval, self.growth_factor = growth_interval, growth_factor
         self.backoff_factor, self.min_scale = backoff_factor, min_scale
         self.good_steps = 0  # finite steps since the last change of scale
         self.skipped_steps = 0  # total, for the log
+        self.max_consecutive_skips = max_consecutive_skips
+        self.consecutive_skips = 0
+        self.fault: str | None = None  # why the run should stop (set by step), else None
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.enabled else loss
@@ -57,7 +69,9 @@ class LossScaler:
         skipped = not math.isfinite(norm)
         if skipped:
             self.skipped_steps += 1
+            self.consecutive_skips += 1
         else:
+            self.consecutive_skips = 0
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if self.enabled:
@@ -69,10 +83,17 @@ class LossScaler:
                 if self.good_steps >= self.growth_interval:
                     self.scale *= self.growth_factor
                     self.good_steps = 0
+        if skipped and not self.enabled:
+            self.fault = f"non-finite gradient norm ({norm}) without loss scaling: the loss or the model is broken"
+        elif self.max_consecutive_skips and self.consecutive_skips >= self.max_consecutive_skips:
+            self.fault = (f"{self.consecutive_skips} fp16 optimizer steps in a row skipped for non-finite gradients "
+                          f"(loss scale now {self.scale:g})")
         return norm, skipped
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps,
+                "consecutive_skips": self.consecutive_skips}
 
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.good_steps, self.skipped_steps = state["scale"], state["good_steps"], state["skipped_steps"]
+        self.consecutive_skips = state.get("consecutive_skips", 0)

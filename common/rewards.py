@@ -95,6 +95,12 @@ def math_reward(response: str, answer: str, timeout_s: float = 5.0) -> float:
     Bounded in time: returns within about timeout_s + 1 s (after the first call, which
     also starts a worker process), from the main thread or any other thread.
     """
+    verdict = _math_verdict(response, answer, timeout_s)
+    return 0.0 if verdict is None else verdict
+
+
+def _math_verdict(response: str, answer: str, timeout_s: float = 5.0) -> float | None:
+    """math_reward, but None when the check could not finish (timed out, or its worker died)."""
     pred = extract_boxed(response)
     if pred is None:
         return 0.0
@@ -106,8 +112,8 @@ def math_reward(response: str, answer: str, timeout_s: float = 5.0) -> float:
     key = (pred, gold)
     if key not in _verdicts:
         verdict = _check(pred, gold, float(timeout_s))
-        if verdict is None:  # timed out: 0 now, but don't remember it, it may just be a busy machine
-            return 0.0
+        if verdict is None:  # timed out: not remembered, it may just be a busy machine
+            return None
         if len(_verdicts) >= 50_000:  # crude bound on memory
             _verdicts.clear()
         _verdicts[key] = verdict
@@ -117,34 +123,58 @@ def math_reward(response: str, answer: str, timeout_s: float = 5.0) -> float:
 REWARD_FNS = {"math": math_reward, "exact": exact_match_reward}
 
 
-def score_responses(
-    responses: list[str],
-    answers: list[str],
-    finished: list[bool],
-    kind: str,
-    truncated_reward: float = 0.0,
-) -> list[float]:
+def score_responses(responses: list[str], answers: list[str], finished: list[bool], kind: str,
+                    truncated_reward: float = 0.0) -> list[float]:
     """Reward per response; one cut at the length limit (finished=False) gets truncated_reward."""
+    return score_rollout(responses, answers, finished, kind, truncated_reward)[0]
+
+
+def score_rollout(responses: list[str], answers: list[str], finished: list[bool], kind: str,
+                  truncated_reward: float = 0.0) -> tuple[list[float], int]:
+    """(reward per response, number of failed checks). A check that raises, times out or loses its worker scores 0
+    and is counted: a reward function never stops training."""
     if kind not in REWARD_FNS:
         raise ValueError(f"unknown reward kind {kind!r}; choose one of {sorted(REWARD_FNS)}")
     if not len(responses) == len(answers) == len(finished):
         raise ValueError(
             f"score_responses: got {len(responses)} responses, {len(answers)} answers, {len(finished)} finished flags"
         )
-    fn = REWARD_FNS[kind]
+    fn = _CHECKS[kind]
+
+    def check(i: int) -> float | None:
+        try:
+            return fn(responses[i], answers[i])
+        except Exception as e:  # noqa: BLE001 -- whatever a reward function raises, training goes on
+            _report_failure(e)
+            return None
+
     rewards = [float(truncated_reward)] * len(responses)
     todo = [i for i, done in enumerate(finished) if done]
     # math checks mostly wait on worker processes, so keep several in flight from threads;
     # repeated (answer, gold) pairs, common within a group of samples, hit the cache
     n_threads = min(NUM_MATH_WORKERS, len(todo)) if kind == "math" else 1
     if n_threads <= 1:
-        for i in todo:
-            rewards[i] = fn(responses[i], answers[i])
+        verdicts = [check(i) for i in todo]
     else:
         with ThreadPoolExecutor(n_threads) as pool:
-            for i, r in zip(todo, pool.map(lambda i: fn(responses[i], answers[i]), todo)):
-                rewards[i] = r
-    return rewards
+            verdicts = list(pool.map(check, todo))
+    failures = 0
+    for i, v in zip(todo, verdicts):
+        rewards[i] = 0.0 if v is None else float(v)
+        failures += v is None
+    return rewards, failures
+
+
+_CHECKS = {"math": _math_verdict, "exact": exact_match_reward}  # as REWARD_FNS, None meaning "could not check"
+_reported = set()
+
+
+def _report_failure(e: Exception) -> None:
+    """One line per kind of exception and process, not one per response."""
+    if type(e) not in _reported:
+        _reported.add(type(e))
+        print(f"[reward] a reward check raised {type(e).__name__}: {e} (scored 0, counted in train/reward_failures; "
+              "reported once)", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """grpo.py end to end on the built-in task, on CPU: under torchrun with 2 processes and as a single process. The
 loss and metrics are finite, checkpoints reload with from_pretrained, bad input fails before a model loads."""
+import importlib.util
 import json
 import math
 import os
@@ -82,15 +83,28 @@ def test_builtin_accuracy_rises(tmp_path):
     assert last > first + 0.1, (first, last)
 
 
+BAD_DATA = {"empty.jsonl": "", "norow.jsonl": '{"problem": "1+1="}\n', "broken.jsonl": '{"problem": "1+1=", \n',
+            "ok.jsonl": '{"problem": "1+1=", "answer": "2"}\n'}
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "/nonexistent/model"], "no such directory"),
     (["--dataset", "/nonexistent.jsonl"], "no such file"),
+    (["--dataset", "{tmp}/empty.jsonl"], "the dataset is empty"),
+    (["--dataset", "{tmp}/norow.jsonl"], "line 1: missing the answer"),
+    (["--dataset", "{tmp}/broken.jsonl"], "line 1: invalid JSON"),
+    (["--dataset", "{tmp}/ok.jsonl", "--max-prompt-len", "2"], "all 1 prompts are longer than 2 tokens"),
     (["--num-prompts", "10", "--num-minibatches", "4"], "not divisible"),
     (["--top-p", "0.9"], "top-p must be 1.0"),
     (["--precision", "fp8"], "fp8"),
+    (["--sampler", "vllm"] if importlib.util.find_spec("vllm") is None else ["--vllm-tp", "3"], "vllm"),
 ])
 def test_bad_input_fails_fast_with_a_clear_error(tmp_path, args, message):
-    p = run([sys.executable, "grpo.py", "--run-dir", str(tmp_path), *args])
-    assert p.returncode != 0
-    assert message in p.stderr, p.stderr[-2000:]
+    for name, text in BAD_DATA.items():
+        (tmp_path / name).write_text(text)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    p = run([sys.executable, "grpo.py", "--run-dir", str(tmp_path / "run"), *args])
+    assert p.returncode == 2
+    assert message in p.stderr.lower() if message == "vllm" else message in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
     assert "Loading weights" not in p.stderr  # failed before any model was loaded

@@ -1,0 +1,56 @@
+"""Runs an algorithm script with a fault injected from a given step on, for tests/test_faults.py:
+
+    python tests/fault_injection.py SCRIPT MODE FROM_STEP [script args...]
+
+MODE nan: every loss is NaN (a broken model or loss; in fp16, an overflow every step);
+     reward: every other reward check raises; mismatch: the sampler's log-probs are all lowered by 1 (a mismatch
+     that jumps). Exits as the script's own __main__ would: 3 on a TrainingFault."""
+import importlib
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common.logger
+import common.precision
+import common.rewards
+import common.sampler
+
+script, mode, from_step, argv = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+on = {"now": from_step <= 1}
+
+log = common.logger.Logger.log
+def log_and_arm(self, metrics, step, advance=True):  # noqa: E302
+    log(self, metrics, step, advance)
+    if advance and step + 1 >= from_step:
+        on["now"] = True
+common.logger.Logger.log = log_and_arm
+
+if mode == "nan":
+    scale_loss = common.precision.LossScaler.scale_loss
+    common.precision.LossScaler.scale_loss = lambda self, loss: scale_loss(self, loss * float("nan") if on["now"] else loss)
+elif mode == "reward":
+    exact, calls = common.rewards._CHECKS["exact"], [0]
+    def flaky(response, answer):  # noqa: E306
+        calls[0] += 1
+        if on["now"] and calls[0] % 2:
+            raise RuntimeError("injected reward failure")
+        return exact(response, answer)
+    common.rewards._CHECKS["exact"] = flaky
+elif mode == "mismatch":
+    generate = common.sampler.HFSampler.generate
+    def shifted(self, *a, **k):  # noqa: E306
+        out = generate(self, *a, **k)
+        if on["now"]:
+            out.logprobs = [lp - 1.0 for lp in out.logprobs]
+        return out
+    common.sampler.HFSampler.generate = shifted
+else:
+    raise SystemExit(f"unknown mode {mode!r}")
+
+module = importlib.import_module(script.removesuffix(".py"))
+try:
+    module.main(module.parse_args(argv))
+except common.precision.TrainingFault as e:
+    print(f"{script}: error: {e}", file=sys.stderr)
+    sys.exit(3)
