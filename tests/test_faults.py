@@ -73,6 +73,13 @@ def test_sustained_fp16_skips_stop_the_run_and_a_good_step_resets_the_count(tmp_
     w1, w3 = weights(os.path.join(root, "step_000001")), weights(os.path.join(root, "step_000003"))
     assert all(torch.equal(w1[k], w3[k]) for k in w1)  # skipped steps never touched the weights
     assert not all(torch.equal(w1[k], v) for k, v in builtin_weights().items())  # but step 1 did
+    # resumed without the fault, from the last good state: the loss scaler's state comes back with it
+    p = subprocess.run([sys.executable, "grpo.py", "--run-dir", str(tmp_path), *SMALL, "--num-steps", "4",
+                        "--precision", "fp16", "--max-skipped-steps", "3", "--resume", "latest"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    last = metrics(tmp_path)[-1]
+    assert last["step"] == 4 and last["optim/loss_scale"] == 2.0**13 and last["optim/skipped_steps"] == 3
 
 
 def test_scaler_fault_rules():
