@@ -46,7 +46,8 @@ from transformers import AutoTokenizer
 from common.checkpoint import find_resume_dir, load_training_state, rng_state, save_checkpoint, set_rng_state
 from common.critic import load_critic, value_head_state  # PPO: the value model
 from common.data import encode_problems, load_problems
-from common.dist import all_reduce, cleanup_distributed, print0, reduce_stats, seed_everything, setup_distributed
+from common.dist import (all_reduce, cleanup_distributed, phase_memory, print0, reduce_stats, seed_everything,
+                         setup_distributed)
 from common.evaluate import eval_name, evaluate
 from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
@@ -429,12 +430,14 @@ def main(args: Args) -> None:
         run_eval(0)  # the starting point
     for step in range(start_step + 1, args.num_steps + 1):
         t_step = time.perf_counter()
+        mem = phase_memory(device)  # {}; resets the peak; each phase adds its GPU memory (none on CPU)
         # --- 1. sample G responses per prompt with the sampler (weights = the current policy, rollout precision)
         t0 = time.perf_counter()
         sampler.wake_up()
         batch = batch_problems(step - 1)
         rollout = sampler.generate([p["prompt_ids"] for p in batch], args.group_size, args.max_response_len,
                                    args.temperature, 1.0)
+        mem.update(phase_memory(device, "sample"))  # while the sampler is awake
         sampler.sleep()
         t_sample = time.perf_counter() - t0
 
@@ -464,6 +467,7 @@ def main(args: Args) -> None:
                     old_logp[i] = logp_BT[row, :resp_lens[i]]
                     old_values[i] = values_BT[row, :resp_lens[i]]  # PPO
         t_recompute = time.perf_counter() - t0
+        mem.update(phase_memory(device, "recompute"))
 
         # --- 4. mismatch metrics: the sampler's mu_logp against the trainer's old_logp, every response token
         T = max(1, max(resp_lens))
@@ -531,11 +535,13 @@ def main(args: Args) -> None:
             if scaler.fault or critic_scaler.fault:
                 break  # no more updates from this batch; the run stops after logging it
         t_train = time.perf_counter() - t0
+        mem.update(phase_memory(device, "train"))
 
         # --- 6. push the new weights to the sampler
         t0 = time.perf_counter()
         sampler.load_weights(iter_full_state(model.lm, DTYPES[rollout_prec], device))
         t_sync = time.perf_counter() - t0
+        mem.update(phase_memory(device, "sync"))
 
         # --- 7. log
         sums.update(loss=loss_sum, clip=pol["clip"], approx_kl=pol["approx_kl"], policy_tokens=pol["tokens"])
@@ -553,7 +559,7 @@ def main(args: Args) -> None:
             "policy/approx_kl": g["approx_kl"] / max(g["policy_tokens"], 1.0),
             "optim/grad_norm": float(np.mean([n for n in grad_norms if np.isfinite(n)] or [float("nan")])),
             "optim/loss_scale": scaler.scale, "optim/skipped_steps": scaler.skipped_steps, "optim/lr": args.lr,
-            "time/sample": t_sample, "time/recompute": t_recompute, "time/train": t_train, "time/sync": t_sync,
+            "time/sample": t_sample, "time/recompute": t_recompute, "time/train": t_train, "time/sync": t_sync, **mem,
             "perf/sample_tok_s": g["resp_len"] / t_sample,
             "perf/train_tok_s": g["seq_tokens"] / t_train,  # prompt + response tokens, forward and backward
             # PPO: the critic (V_old: its values before this step's update; R = A + V_old, before whitening)

@@ -152,7 +152,10 @@ def test_grpo_with_vllm_on_gpu(small_model_dir, tmp_path, precision):
     steps = [r for r in steps if "train/accuracy" in r]
     assert len(steps) == 3 and all(math.isfinite(r["mismatch/kl_k3"]) for r in steps)
     last = steps[-1]
+    # GPU memory per phase: vLLM's KV cache is in use while it samples and released (sleep) for the training
+    assert last["mem/sample_used_gib"] > last["mem/train_used_gib"] and last["mem/train_peak_gib"] > 0
     kls = ", ".join(f"{r['mismatch/kl_k3']:.2e}" for r in steps)
+    mem = ", ".join(f"{ph} {last[f'mem/{ph}_used_gib']:.1f}" for ph in ("sample", "recompute", "train", "sync"))
     print(f"\n[gpu] grpo --sampler vllm {precision}: step {last['time/step']:.2f}s (sample {last['time/sample']:.2f}, "
           f"recompute {last['time/recompute']:.2f}, train {last['time/train']:.2f}, sync {last['time/sync']:.3f}); "
-          f"kl_k3 {kls}; sample {last['perf/sample_tok_s']:.0f} tok/s")
+          f"kl_k3 {kls}; sample {last['perf/sample_tok_s']:.0f} tok/s; GiB in use after {mem}")
