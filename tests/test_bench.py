@@ -1,0 +1,118 @@
+"""bench/benchmark.py end to end on a CPU with the tiny shape (about 45 s in all): every section writes its rows to
+the JSON and the Markdown table, the trainer runs under torchrun with 2 processes, grpo.py runs for the rl_step
+section, results of several runs render into one table, and the CUDA-graph check runs with a CPU stand-in for the
+graph. The GPU-only figures (memory, CUDA graphs, vLLM) are skipped with a note."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench", "benchmark.py")
+
+
+def run(args, tmp_path, launcher=None):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = (launcher or [sys.executable]) + [BENCH, "--shape", "tiny", "--out-dir", str(tmp_path / "out"),
+                                            "--model-dir", str(tmp_path / "model"), *args]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+def load(tmp_path, name):
+    with open(tmp_path / "out" / f"{name}.json") as f:
+        data = json.load(f)
+    with open(tmp_path / "out" / f"{name}.md") as f:
+        return data, f.read()
+
+
+@pytest.fixture(scope="module")
+def bench_dir(tmp_path_factory):
+    """One fp32 run of every section (fp32: CPU 16-bit kernels are slow), grpo.py with the fallback sampler."""
+    tmp_path = tmp_path_factory.mktemp("bench")
+    run(["--only", "matmul,trainer,logprob_memory,sampler,sync,rl_step", "--precisions", "fp32",
+         "--sampler-precision", "fp32", "--sampler-variants", "graph,eager_static,dynamic,hf_generate",
+         "--rl-sampler", "hf"], tmp_path)
+    return tmp_path
+
+
+def test_every_section_writes_rows_and_a_table(bench_dir):
+    data, md = load(bench_dir, "tiny")
+    assert data["meta"]["shape"] == "tiny" and data["meta"]["params"] > 0 and data["meta"]["torch"]
+    assert {r["dtype"] for r in data["matmul"]} == {"fp16", "bf16"} and all(r["tflops"] > 0 for r in data["matmul"])
+    tr = data["trainer"]
+    assert [(r["precision"], r["response"]) for r in tr] == [("fp32", 32), ("fp32", 64)]
+    for r in tr:
+        assert r["train_tok_s"] > 0 and r["recompute_tok_s"] > 0 and r["tokens"] == 4 * (16 + r["response"])
+    assert tr[1]["micro_batches"] == 2  # 4 rows of 80 tokens in a budget of 256: 3 + 1
+    lp = data["logprob_memory"]
+    assert {(r["method"], r["mode"]) for r in lp} == {(m, mode) for m in ("chunked", "full logits")
+                                                      for mode in ("forward+backward", "no-grad forward with entropy")}
+    samplers = {(r["sampler"], r["batch"]): r for r in data["sampler"]}
+    assert set(samplers) == {(s, b) for s in ("HFSampler (graph)", "HFSampler (eager_static)", "HFSampler (dynamic)",
+                                               "transformers generate") for b in (4, 8)}
+    assert all(r["tokens"] > 0 and r["tok_s"] > 0 and r["vs_hf_generate"] > 0 for r in data["sampler"])
+    assert samplers[("HFSampler (dynamic)", 4)]["path"] == "DynamicCache"
+    assert samplers[("HFSampler (graph)", 4)]["path"] == "static cache"  # no CUDA graphs on a CPU
+    # the same seed, prompts and weights: the static and the dynamic decoding generate the same tokens
+    assert samplers[("HFSampler (graph)", 8)]["tokens"] == samplers[("HFSampler (dynamic)", 8)]["tokens"]
+    assert data["sync"][0]["sampler"] == "HFSampler" and data["sync"][0]["s"] > 0
+    checks = data["sync_check"]
+    assert len(checks) == 2 and all(r["kl_k3"] < 1e-6 for r in checks)  # fp32: the sync moved the new weights in
+    steps = data["rl_step"]["steps"]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["time/sample"] > 0 and s["time/train"] > 0 and s["time/sync"] > 0 for s in steps)
+    assert any("no CUDA" in n for n in data["notes"])
+    for header in ("## Matmul peak", "## Trainer (per GPU)", "MFU train (6N)", "## Log-prob head memory",
+                   "## Samplers", "## Weight sync", "## A whole RL step", "| 16 + 64 |", "time/sample"):
+        assert header in md, header
+
+
+def test_trainer_fp16_and_bf16_and_their_ratio(tmp_path):
+    run(["--only", "trainer", "--precisions", "fp16,bf16", "--response-lens", "8", "--num-seqs", "2", "--iters", "1",
+         "--name", "prec"], tmp_path)
+    data, md = load(tmp_path, "prec")
+    assert [r["precision"] for r in data["trainer"]] == ["fp16", "bf16"]
+    assert data["trainer"][0]["loss_scale"] == 2.0**16 and data["trainer"][1]["loss_scale"] == 1.0
+    assert all(r["mfu_train"] > 0 for r in data["trainer"])  # the matmul peaks were measured for the MFU
+    assert data["trainer_ratio"][0]["response"] == 8 and data["trainer_ratio"][0]["fp16_over_bf16"] > 0
+    assert "fp16 / bf16" in md
+
+
+def test_trainer_under_torchrun_and_render(tmp_path, bench_dir):
+    run(["--only", "trainer", "--precisions", "fp32", "--response-lens", "16", "--num-seqs", "2", "--iters", "1"],
+        tmp_path, launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])
+    data, _ = load(tmp_path, "tiny_2gpu")
+    assert data["meta"]["ranks"] == 2 and [r["ranks"] for r in data["trainer"]] == [2]
+    # one table from the single-process run and the two-rank run
+    p = subprocess.run([sys.executable, BENCH, "--render", str(bench_dir / "out" / "tiny.json"),
+                        str(tmp_path / "out" / "tiny_2gpu.json"), "--name", "both", "--out-dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    md = (tmp_path / "both.md").read_text()
+    assert md.count("| fp32 | 16 + ") == 3 and "## Samplers" in md  # 2 one-rank rows and 1 two-rank row
+
+
+def test_graph_vs_eager_check_with_a_stand_in_graph(tmp_path, process_group, monkeypatch):
+    """The benchmark's check of the CUDA-graph path against eager decoding (GPU only) runs on a CPU with the stand-in
+    graph of tests/test_sampler.py, and finds the two identical."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import benchmark
+    from test_sampler import _stand_in_capture
+
+    from common.sampler import HFSampler
+    _, _, device = process_group
+    monkeypatch.setattr(HFSampler, "_capture", _stand_in_capture)
+    model_dir = benchmark.build_model_dir("tiny", str(tmp_path / "model"), 0)
+    args = benchmark.parse_args(["--shape", "tiny"])
+    res = benchmark.Results(str(tmp_path), "check", {}, enabled=True)
+    sampler = HFSampler(model_dir, torch.float32, device, seed=0, batch_size=8, static_cache=True)
+    sampler.cuda_graph = True
+    prompts = benchmark.random_prompts(8, 16, 1000, 0)
+    benchmark.graph_vs_eager_check(res, args, model_dir, sampler, prompts, torch.float32, device)
+    rows = res.data["sampler_check"]
+    assert len(rows) == 2 and all(r["tokens_identical"] and r["max_abs_logprob_diff"] == 0 for r in rows)
