@@ -36,9 +36,12 @@ class VLLMSampler:
                  gpu_memory_utilization: float = 0.3, sleep_level: int = 1):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         # external_launcher reads torchrun's variables; a plain `python script.py` is a group of one
+        self.env_set = []  # the variables set here, unset at shutdown: a later group of one must not look like torchrun
         for key, value in (("RANK", dist.get_rank()), ("LOCAL_RANK", dist.get_rank()),
                            ("WORLD_SIZE", dist.get_world_size())):
-            os.environ.setdefault(key, str(value))
+            if key not in os.environ:
+                os.environ[key] = str(value)
+                self.env_set.append(key)
         from vllm import LLM
         self.tp = tp
         self.sleep_level = sleep_level if torch.cuda.is_available() else 0
@@ -96,6 +99,8 @@ class VLLMSampler:
         trainer destroyed the group, vLLM's own clean-up fails)."""
         del self.llm
         gc.collect()
+        for key in self.env_set:
+            os.environ.pop(key, None)
 
     def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float,
                  top_p: float = 1.0) -> Rollout:
