@@ -22,7 +22,8 @@ more than the arithmetic):
 - the batch is padded with filler rows to a power of two (at most `batch_size`), so a rollout reuses one graph;
 - only the model's forward is in the graph. Temperature, top-p, the fp32 log-probs and the draw from
   `self.generator` run eagerly after each replay, exactly as on the eager path (so the same seed gives the same
-  stream), and so does the early exit once every row has ended;
+  stream), and so does the early exit once every row has ended (checked every DONE_CHECK_EVERY tokens: each check
+  waits for the GPU);
 - the weights are read in place by the graph: `load_weights` copies into the same parameter tensors;
 - decoding attention groups the query heads under their key-value head (one sdpa call over B x kv_heads x
   heads_per_group queries), instead of transformers' sdpa path, which copies the cache num_heads / kv_heads times
@@ -39,6 +40,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 DECODE_ATTENTION = "rl_grouped_sdpa"  # the attention implementation the static path registers with transformers
 CACHE_LEN_MULTIPLE = 256  # static cache lengths are rounded up to this: prompts of similar length share a graph
+DONE_CHECK_EVERY = 16  # decode steps between checks that every row has ended (each check is a host sync)
 
 
 @dataclass
@@ -129,8 +131,9 @@ class HFSampler:
     def _sample(self, logits_BV, temperature: float, top_p: float):
         """The next token of every row and its fp32 log-prob under the processed distribution."""
         logp_BV = process_logits(logits_BV.float(), temperature, top_p)
-        if temperature > 0:
-            tok_B = torch.multinomial(logp_BV.exp(), 1, generator=self.generator).squeeze(-1)
+        if temperature > 0:  # argmax of p / Exp(1) noise is a draw from p (multinomial checks p with a host sync)
+            noise_BV = torch.empty_like(logp_BV).exponential_(generator=self.generator)
+            tok_B = (logp_BV.exp() / noise_BV).argmax(-1)
         else:
             tok_B = logp_BV.argmax(-1)
         return tok_B, logp_BV.gather(-1, tok_B[:, None]).squeeze(-1)
@@ -170,6 +173,7 @@ class HFSampler:
             step = self._static_decoder(cache, attn, pos, P + max_new_tokens)
             if step is not None:
                 cache = None  # its keys and values now live in the static cache
+        check_every = DONE_CHECK_EVERY if self.device.type == "cuda" else 1
         for t in range(max_new_tokens):
             tok_B, lp_B = self._sample(logits, temperature, top_p)
             tokens_BT[:, t] = tok_B
@@ -177,7 +181,8 @@ class HFSampler:
             is_eos = torch.isin(tok_B, self.eos_ids) & ~done_B
             length_B = torch.where(is_eos, t + 1, length_B)
             done_B |= is_eos
-            if bool(done_B.all()) or t == max_new_tokens - 1:
+            # asking whether every row has ended waits for the GPU: there only every DONE_CHECK_EVERY tokens
+            if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and bool(done_B.all())):
                 break
             if step is not None:
                 logits = step(tok_B, P + t)
