@@ -106,7 +106,9 @@ class Args:
 # them: on the 1,767 problems kept from the whole pool only ppo reached 0.95 within 300 steps (at step 221; grpo 0.946,
 # pg_is 0.931, gspo 0.915), while on the 236 kept from 256 all four pass (fp32, CPU: grpo at step 125, pg_is 112,
 # gspo 160, ppo 88). 4 optimizer steps per rollout batch instead of the scripts' 2 make it sharpen faster per step.
-BUILTIN = dict(max_problems=256, script_args="--num-minibatches 4")
+# The fallback sampler, also where vLLM is installed: for a model this small a vLLM engine's start (about a minute
+# on a GPU, once per run) would cost more than all its sampling.
+BUILTIN = dict(max_problems=256, script_args="--num-minibatches 4", common_args="--sampler hf")
 
 
 def split(s: str) -> list[str]:
