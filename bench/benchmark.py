@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common.dist import print0, setup_distributed  # noqa: E402
 from common.fsdp import iter_full_state, load_policy  # noqa: E402
-from common.logprobs import _chunk_logprobs, chunked_logprobs, collate, split_microbatches  # noqa: E402
+from common.logprobs import _chunk_logprobs, chunked_logprobs, collate, pad_float, split_microbatches  # noqa: E402
 from common.precision import DTYPES, LossScaler  # noqa: E402
 from common.sampler import HFSampler  # noqa: E402
 
@@ -334,9 +334,7 @@ def trainer_step(model, params, optimizer, scaler, prompts, responses, args, pad
     t0 = time.perf_counter()
     model.train()
     T = max(resp_lens)
-    old_all = torch.zeros((len(seq_lens), T))
-    for i, lp in enumerate(old_logp):
-        old_all[i, :len(lp)] = lp
+    old_all = pad_float(old_logp, T, "cpu")
     adv_B = torch.where(torch.arange(len(seq_lens)) % 2 == 0, 1.0, -1.0)
     seqs_per_mb = len(seq_lens) // args.num_minibatches
     for k in range(args.num_minibatches):

@@ -143,7 +143,8 @@ def format_prompt(tokenizer, problem: str, template: str) -> list[int]:
 
 
 def encode_problems(tokenizer, problems: list[dict], template: str, max_prompt_len: int, name: str = "dataset") -> list[dict]:
-    """[{"prompt_ids", "answer", "problem"}, ...]; prompts over max_prompt_len tokens are skipped, never cut."""
+    """Each problem's dict (its other fields kept) plus "prompt_ids"; prompts over max_prompt_len tokens are
+    skipped, never cut."""
     if not problems:
         raise ValueError(f"[data] {name}: no problems to encode")
     if template != "chat":
@@ -155,7 +156,7 @@ def encode_problems(tokenizer, problems: list[dict], template: str, max_prompt_l
         if len(ids) > max_prompt_len:
             n_skipped += 1  # a cut prompt would ask a different (or no) question
             continue
-        encoded.append({"prompt_ids": ids, "answer": p["answer"], "problem": p["problem"]})
+        encoded.append({"prompt_ids": ids, **p})
     if not encoded:
         raise ValueError(
             f"[data] {name}: all {len(problems)} prompts are longer than {max_prompt_len} tokens "

@@ -230,16 +230,8 @@ def main(args: Args) -> dict:
 
     # --- the pool: every problem of the file (index = its row), encoded; a random subset with --max-problems
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    raw = load_problems(dataset)
-    for j, p in enumerate(raw):
-        p["index"] = j
-    encoded = encode_problems(tokenizer, raw, args.prompt_template, args.max_prompt_len, dataset)
-    i = 0
-    for e in encoded:  # encode_problems keeps the order and drops the prompts that are too long: match them up
-        while raw[i]["problem"] != e["problem"]:
-            i += 1
-        e["index"] = raw[i]["index"]
-        i += 1
+    raw = [{**p, "index": j} for j, p in enumerate(load_problems(dataset))]
+    encoded = encode_problems(tokenizer, raw, args.prompt_template, args.max_prompt_len, dataset)  # keeps "index"
     order = np.random.default_rng(args.seed).permutation(len(encoded))
     pool = [encoded[i] for i in (order[:args.max_problems] if args.max_problems else order)]
 

@@ -245,7 +245,6 @@ def main(args: Args) -> dict:
     from common.precision import DTYPES
     from common.sampler import make_sampler, resolve_sampler
 
-    under_torchrun = "RANK" in os.environ
     _, _, device = setup_distributed()
     model_path, dataset = args.model, args.dataset
     if model_path is None or dataset is None:
@@ -275,9 +274,6 @@ def main(args: Args) -> dict:
         sampler.shutdown()
         del sampler
         if not torch.distributed.is_initialized():  # vLLM's shutdown takes the process group down; FSDP2 needs one
-            if not under_torchrun:  # the vLLM sampler set RANK & co. for vLLM: not torchrun's, start a group of one
-                for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-                    os.environ.pop(key, None)
             setup_distributed()
         # the trainer in p: pi of the same tokens; in fp32 these sequences are also the reference of (d)
         model = load_policy(model_path, DTYPES[p], device, gradient_checkpointing=False)
