@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that spin while waiting made
+# CPU runs on 2 shared cores 3x slower (README, "On a CPU")
 import numpy as np
 import torch
 import tyro
@@ -81,8 +83,9 @@ class Args:
     eval_dataset: tuple[str, ...] = ()
     """evaluation files (same format), each logged as eval/<file name>/accuracy"""
     prompt_template: str = "chat"
-    """'chat' (the tokenizer's chat template, with the R1-distill instruction) or a format string with {problem}
-    and optionally {instruction}, e.g. '{problem}\\n{instruction}\\n'"""
+    """'chat' (the tokenizer's chat template, with the R1-distill instruction), 'chat:<format>' (the chat template
+    with <format> as the user turn, e.g. 'chat:{problem}') or a raw format string with {problem} and optionally
+    {instruction}, e.g. '{problem}\\n{instruction}\\n'"""
     reward: Literal["math", "exact"] = "math"
     """'math': math-verify on the last \\boxed{}; 'exact': the stripped response equals the answer"""
     max_prompt_len: int = 1024

@@ -112,15 +112,20 @@ def format_prompt(tokenizer, problem: str, template: str) -> list[int]:
     """Token ids of the prompt for one problem.
 
     template == "chat": the tokenizer's chat template with the problem + INSTRUCTION as the user turn.
+    template == "chat:<format>": the chat template with <format> (a format string with {problem} and optionally
+    {instruction}) as the user turn, e.g. "chat:{problem} Give the final answer as a number.".
     Otherwise a format string with {problem} and optionally {instruction}, e.g. "{problem}\\n{instruction}\\n".
     """
-    if template == "chat":
+    if template == "chat" or template.startswith("chat:"):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 "this tokenizer has no chat template; pass a raw template instead, "
                 'e.g. --prompt-template "{problem}\\n{instruction}\\n"'
             )
-        messages = [{"role": "user", "content": f"{problem} {INSTRUCTION}"}]
+        user = "{problem} {instruction}" if template == "chat" else template[len("chat:"):]
+        _check_template(user)
+        content = user.replace("\\n", "\n").format(problem=problem, instruction=INSTRUCTION)
+        messages = [{"role": "user", "content": content}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding, 4.x a plain list
             ids = ids["input_ids"]
@@ -148,7 +153,7 @@ def encode_problems(tokenizer, problems: list[dict], template: str, max_prompt_l
     if not problems:
         raise ValueError(f"[data] {name}: no problems to encode")
     if template != "chat":
-        _check_template(template)
+        _check_template(template[len("chat:"):] if template.startswith("chat:") else template)
     encoded, n_skipped, longest = [], 0, 0
     for p in problems:
         ids = format_prompt(tokenizer, p["problem"], template)

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that spin while waiting made
+# CPU runs on 2 shared cores 3x slower (README, "On a CPU")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python sanity/build_perfectible.py` from anywhere
     sys.path.insert(0, ROOT)
@@ -66,7 +68,8 @@ class Args:
     """seed of the subset order and of the sampling streams"""
     # --- as in the algorithm scripts (same names, same meaning; keep them equal to the training run's)
     prompt_template: str = "chat"
-    """'chat' (the tokenizer's chat template with the R1-distill instruction) or a format string with {problem}"""
+    """'chat' (the tokenizer's chat template with the R1-distill instruction), 'chat:<format>' (the chat template
+    with <format> as the user turn) or a raw format string with {problem}"""
     reward: Literal["math", "exact"] = "math"
     """'math': math-verify on the last \\boxed{}; 'exact': the stripped response equals the answer"""
     max_prompt_len: int = 1024

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that spin while waiting made
+# CPU runs on 2 shared cores 3x slower (README, "On a CPU")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python sanity/mismatch_analysis.py` from anywhere
     sys.path.insert(0, ROOT)
@@ -63,7 +65,8 @@ class Args:
     """tokens drawn in the scatter plot per precision (a random subsample)"""
     # --- as in the algorithm scripts (same names, same meaning)
     prompt_template: str = "chat"
-    """'chat' (the tokenizer's chat template with the R1-distill instruction) or a format string with {problem}"""
+    """'chat' (the tokenizer's chat template with the R1-distill instruction), 'chat:<format>' (the chat template
+    with <format> as the user turn) or a raw format string with {problem}"""
     max_prompt_len: int = 1024
     """prompts longer than this (tokens) are skipped"""
     max_response_len: int = 8192

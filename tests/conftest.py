@@ -3,6 +3,7 @@ downloads), and a process group of one for code that needs one (FSDP2, reduction
 import os
 import sys
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the scripts do, before torch loads OpenMP
 import pytest
 import torch
 

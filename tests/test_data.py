@@ -231,3 +231,16 @@ def test_raw_template_backslash_n_from_the_command_line_is_a_newline():
     tok = make_tokenizer()
     ids = format_prompt(tok, "ab", "{problem}\\nx")
     assert ids == format_prompt(tok, "ab", "{problem}\nx") and tok.convert_tokens_to_ids("\n") in ids
+
+
+def test_chat_template_with_a_user_format():
+    """'chat:<format>': the chat template around a user turn of one's own (no R1 instruction)."""
+    tok = make_tokenizer(CHAT_TEMPLATE)
+    ids = format_prompt(tok, "1+1?", "chat:{problem} Answer with a number.")
+    assert ids == tok.encode("<|user|>1+1? Answer with a number.<|assistant|>", add_special_tokens=False)
+    ids2 = format_prompt(tok, "1+1?", "chat:{problem}\\n{instruction}")  # {instruction} and a typed \n work there too
+    assert ids2 == tok.encode(f"<|user|>1+1?\n{INSTRUCTION}<|assistant|>", add_special_tokens=False)
+    with pytest.raises(ValueError, match="no {problem} field"):
+        encode_problems(tok, [{"problem": "2+2?", "answer": "4"}], "chat:Answer.", max_prompt_len=500)
+    with pytest.raises(ValueError, match="unknown fields"):
+        format_prompt(tok, "1+1?", "chat:{problem} {answer}")
