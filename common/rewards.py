@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
 from functools import lru_cache
 
 NUM_MATH_WORKERS = min(8, os.cpu_count() or 1)  # processes (and threads) used by score_responses
@@ -76,6 +77,54 @@ def extract_boxed(text: str) -> str | None:
 def exact_match_reward(response: str, answer: str) -> float:
     """For the built-in arithmetic task: the whole response is the answer."""
     return 1.0 if response.strip() == answer.strip() else 0.0
+
+
+# A number as written in prose: "1,234" (commas only between groups of three digits, so "1, 2" is two numbers),
+# "-5", "+5", "−5" (U+2212, the Unicode minus), "3.50", ".5". A sign counts only where it cannot be a binary
+# minus or plus: "10-4" ends in 4, not -4. A "." with no digit after it ends the number ("14." is 14). What surrounds
+# it is ignored: "$12", "\$14", "12%" and "14apples" all give the number itself. Not read: exponents ("1e5" is 1
+# and 5), fractions ("3/4" is 3 and 4).
+_NUMBER_RE = re.compile(r"(?:(?<![\w)\]}])([-+\u2212]))?"  # group 1: a unary sign
+                        r"((?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)")  # group 2: the number
+_HASHES_RE = re.compile(r"####")
+_ANSWER_IS_RE = re.compile(r"\banswer\s+is\b|\banswer\s*:", re.IGNORECASE)  # also "The final answer is", "Answer:"
+
+
+def _parse_number(match: re.Match) -> Fraction | None:
+    try:
+        value = Fraction(match.group(2).replace(",", ""))  # exact: "3.50" is 7/2, not a float
+    except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits): no usable number
+        return None
+    return -value if match.group(1) in ("-", "\u2212") else value
+
+
+def extract_number(text: str) -> Fraction | None:
+    """The final answer of a text as a number, GSM8K style, or None if there is none. In order of precedence:
+    (a) the first number after the last "####"; (b) the first number after the last "answer is" / "answer:"
+    (any case: "The answer is 7.", "Final answer: 7"); (c) the last number of the text. A marker with no number
+    after it is passed over."""
+    for marker in (_HASHES_RE, _ANSWER_IS_RE):
+        ends = [m.end() for m in marker.finditer(text)]
+        if ends:
+            first = _NUMBER_RE.search(text, ends[-1])
+            if first is not None:
+                return _parse_number(first)
+    last = None
+    for last in _NUMBER_RE.finditer(text):
+        pass
+    return None if last is None else _parse_number(last)
+
+
+def number_reward(response: str, answer: str) -> float:
+    """1.0 if the response's final number (extract_number) equals the gold answer's, else 0.0 (also when either
+    has no number). The gold answer is read the same way: "42", "1,234" or a worked solution ending "#### 42".
+    Integers must be equal; otherwise the relative difference must be at most 1e-6 ("3.50" == "3.5" exactly)."""
+    pred, gold = extract_number(response), extract_number(str(answer))
+    if pred is None or gold is None:
+        return 0.0
+    if pred.denominator == 1 and gold.denominator == 1:
+        return 1.0 if pred == gold else 0.0
+    return 1.0 if abs(pred - gold) <= 1e-6 * max(abs(pred), abs(gold)) else 0.0
 
 
 def _gold_answer(answer: str) -> str:
@@ -120,7 +169,7 @@ def _math_verdict(response: str, answer: str, timeout_s: float = 5.0) -> float |
     return _verdicts[key]
 
 
-REWARD_FNS = {"math": math_reward, "exact": exact_match_reward}
+REWARD_FNS = {"math": math_reward, "exact": exact_match_reward, "number": number_reward}
 
 
 def score_responses(responses: list[str], answers: list[str], finished: list[bool], kind: str,
@@ -165,7 +214,8 @@ def score_rollout(responses: list[str], answers: list[str], finished: list[bool]
     return rewards, failures
 
 
-_CHECKS = {"math": _math_verdict, "exact": exact_match_reward}  # as REWARD_FNS, None meaning "could not check"
+# as REWARD_FNS, None meaning "could not check"
+_CHECKS = {"math": _math_verdict, "exact": exact_match_reward, "number": number_reward}
 _reported = set()
 
 

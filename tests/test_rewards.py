@@ -1,10 +1,12 @@
 import threading
 import time
+from fractions import Fraction
 
 import pytest
 
 from common import rewards
-from common.rewards import REWARD_FNS, exact_match_reward, extract_boxed, math_reward, score_responses
+from common.rewards import (REWARD_FNS, exact_match_reward, extract_boxed, extract_number, math_reward, number_reward,
+                            score_responses)
 
 TIMEOUT_S = 2.0  # a short per-check timeout keeps the pathological tests fast
 MARGIN_S = 2.0  # the worker answers at the timeout; it is killed at timeout + 1 s
@@ -141,7 +143,83 @@ def test_exact_match():
 
 
 def test_reward_fns():
-    assert REWARD_FNS == {"math": math_reward, "exact": exact_match_reward}
+    assert REWARD_FNS == {"math": math_reward, "exact": exact_match_reward, "number": number_reward}
+
+
+# ----------------------------------------------------------------------------
+# number_reward: the final number, GSM8K style
+
+
+@pytest.mark.parametrize(
+    "response,answer",
+    [
+        ("10 + 4 equals 14.", "14"),  # a sentence: the trailing period is not a decimal point
+        ("The total is 1,234 apples", "1234"),  # thousands commas
+        ("The total is 1234", "1,234"),
+        ("It costs $1,234,567.", "1234567"),
+        ("x = -5", "-5"),
+        ("x = \u22125", "-5"),  # Unicode minus
+        ("+5", "5"),
+        ("It costs $3.50.", "3.5"),
+        ("half is .5", "0.5"),
+        ("14.0", "14"),
+        ("0.3333333", "0.333333"),  # decimals: relative tolerance 1e-6
+        ("I have 14apples", "14"),  # glued to a word
+        ("So \\$14 in total", "14"),  # LaTeX dollar
+        ("50%", "50"),  # the percent sign is ignored
+        ("10-4 = 6", "6"),  # a binary minus is not a sign
+        ("10-4", "4"),
+        ("First 3 + 4 = 7, then 7 * 2 = 14.", "14"),  # the last number
+        ("#### 42\nso maybe 43 in the end", "42"),  # after #### wins over a later number
+        ("The answer is 7. Check: 3 + 4 = 7, and 8 is wrong", "7"),  # "the answer is" wins over a later number
+        ("answer: 12 (from 5 + 7)", "12"),
+        ("The final ANSWER is 9, not 10.", "9"),
+        ("The answer is 3 #### 5", "5"),  # #### wins over "the answer is"
+        ("The answer is unclear. I guess 8", "8"),  # the first number after the phrase
+        ("#### \nno number after the marker, the last is 6", "6"),  # a marker without a number is passed over
+        ("72", "Natalia sold 48 / 2 = 24 clips in May.\nShe sold 48 + 24 = 72 clips.\n#### 72"),  # GSM8K gold
+        ("She has 1,000 left.", "#### 1,000"),
+    ],
+)
+def test_number_reward_equal(response, answer):
+    assert number_reward(response, answer) == 1.0
+
+
+@pytest.mark.parametrize(
+    "response,answer",
+    [
+        ("1, 2", "12"),  # a comma with a space separates two numbers: the last is 2
+        ("1, 2", "1"),
+        ("1,2345", "12345"),  # not a thousands group: 1 and 2345
+        ("10 + 4 equals 15.", "14"),
+        ("-5", "5"),
+        ("5", "-5"),
+        ("3.5", "3.6"),
+        ("0.333", "0.333333"),  # beyond the tolerance
+        ("123456789012", "123456789013"),  # integers are compared exactly (a float would say equal)
+        ("#### 41\nso 42", "42"),
+        ("The answer is 41. Or 42", "42"),
+        ("no number at all", "42"),
+        ("", "42"),
+        ("42", "no number in the gold answer"),
+        ("3/4", "0.75"),  # fractions are not read: "3/4" ends in 4
+        ("1" * 5000, "1"),  # more digits than Python converts: no number, not an exception
+    ],
+)
+def test_number_reward_not_equal(response, answer):
+    assert number_reward(response, answer) == 0.0
+
+
+def test_extract_number():
+    assert extract_number("10 + 4 equals 14.") == 14
+    assert extract_number("1,234.5") == Fraction(2469, 2)
+    assert extract_number("\\$-3.50") == Fraction(-7, 2)
+    assert extract_number("no digits") is None
+
+
+def test_score_responses_number():
+    assert score_responses(["10 + 4 equals 14.", "It is 15", "14"], ["14", "14", "14"], [True, True, False],
+                           "number") == [1.0, 0.0, 0.0]
 
 
 def test_score_responses_exact_with_truncation():
