@@ -1,12 +1,15 @@
+import re
+import sys
 import threading
 import time
+import uuid
 from fractions import Fraction
 
 import pytest
 
 from common import rewards
 from common.rewards import (REWARD_FNS, exact_match_reward, extract_boxed, extract_number, math_reward, number_reward,
-                            score_responses)
+                            score_responses, score_rollout)
 
 TIMEOUT_S = 2.0  # a short per-check timeout keeps the pathological tests fast
 MARGIN_S = 2.0  # the worker answers at the timeout; it is killed at timeout + 1 s
@@ -256,3 +259,132 @@ def test_score_responses_errors():
     with pytest.raises(ValueError, match="2 responses, 1 answers"):
         score_responses(["1", "2"], ["1"], [True, True], "exact")
     assert score_responses([], [], [], "math") == []
+
+
+# ----------------------------------------------------------------------------
+# plug-in rewards: --reward module:function, called in the time-limited workers
+
+
+PLUGIN = '''
+import time
+
+calls = 0
+
+
+def contains(response, answer):
+    return 1.0 if answer in response else 0.0
+
+
+def exact(response, answer):
+    return response.strip() == answer.strip()  # a bool is a number
+
+
+def boom(response, answer):
+    if response == "boom":
+        raise ZeroDivisionError("plugin boom")
+    return 1.0
+
+
+def slow(response, answer):
+    if response == "slow":
+        time.sleep(60)
+    return 1.0
+
+
+def stubborn(response, answer):  # swallows the in-worker timer: only killing the worker stops it
+    while response == "slow":
+        try:
+            time.sleep(60)
+        except BaseException:
+            pass
+    return 1.0
+
+
+def nan(response, answer):
+    return float("nan")
+
+
+def text(response, answer):
+    return "1.0"
+
+
+not_a_function = 3
+'''
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    """The name of a fresh plug-in module (fresh, as workers and sys.modules keep what they imported)."""
+    name = f"plug_{uuid.uuid4().hex[:12]}"
+    (tmp_path / f"{name}.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_plugin_scores_in_a_worker(plugin):
+    responses = ["so it is 14", "15", "it is 7", "no"]
+    assert score_rollout(responses, ["14", "14", "7", "7"], [True] * 4, f"{plugin}:contains") == ([1.0, 0.0, 1.0, 0.0], 0)
+    assert score_responses([" 3 ", "4"], ["3", "3"], [True, True], f"{plugin}:exact") == [1.0, 0.0]
+    assert plugin not in rewards._plugins  # called in the workers, not here
+
+
+def test_plugin_found_in_the_current_directory(tmp_path, monkeypatch):
+    name = f"plug_{uuid.uuid4().hex[:12]}"
+    (tmp_path / f"{name}.py").write_text(PLUGIN)
+    monkeypatch.chdir(tmp_path)  # not on sys.path: found as the parent's cwd, in the parent and in the workers
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    rewards.check_reward(f"{name}:contains")
+    assert score_responses(["a 1", "a 2"], ["1", "1"], [True, True], f"{name}:contains") == [1.0, 0.0]
+
+
+def test_plugin_exception_is_a_counted_failure(plugin, capfd):
+    rewards._reported.discard("ZeroDivisionError")
+    r, failed = score_rollout(["1", "boom", "boom", "boom"], ["1"] * 4, [True, True, True, False], f"{plugin}:boom")
+    assert r == [1.0, 0.0, 0.0, 0.0] and failed == 2  # the truncated one is not checked
+    err = capfd.readouterr().err
+    assert err.count("raised ZeroDivisionError") == 1 and "plugin boom" in err  # reported once
+
+
+@pytest.mark.parametrize("fn,error", [("nan", "ValueError"), ("text", "TypeError")])
+def test_plugin_non_number_is_a_counted_failure(plugin, capfd, fn, error):
+    rewards._reported.discard(error)
+    assert score_rollout(["1", "2"], ["1", "2"], [True, True], f"{plugin}:{fn}") == ([0.0, 0.0], 2)
+    assert "not a" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("fn", ["slow", "stubborn"])
+def test_plugin_past_the_time_limit_is_a_counted_failure(plugin, monkeypatch, fn):
+    # slow: stopped by the worker's timer; stubborn ignores it, so the parent kills the worker at its deadline
+    monkeypatch.setattr(rewards, "PLUGIN_TIMEOUT_S", 1.0)
+    score_responses(["1", "1"], ["1", "1"], [True, True], f"{plugin}:{fn}")  # workers up, the module imported
+    t0 = time.time()
+    assert score_rollout(["slow"], ["1"], [True], f"{plugin}:{fn}") == ([0.0], 1)
+    assert time.time() - t0 < 1.0 + MARGIN_S
+    # the run goes on: the other responses of a batch are scored, by a fresh worker where one was killed
+    assert score_rollout(["slow", "1", "2"], ["1", "1", "1"], [True] * 3, f"{plugin}:{fn}") == ([0.0, 1.0, 1.0], 1)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("nocolon", "unknown reward kind"),
+    ("fuzzy", "unknown reward kind"),
+    ("a:b:c", "unknown reward kind"),
+    ("nosuchmod_xyz:fn", "cannot import nosuchmod_xyz (ModuleNotFoundError"),
+    ("{plugin}:missing", "has no attribute missing"),
+    ("{plugin}:not_a_function", "is not callable"),
+])
+def test_check_reward_rejects_bad_specs(plugin, spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        rewards.check_reward(spec.format(plugin=plugin))
+    assert "\n" not in str(e.value)
+    for kind in ["math", "exact", "number", f"{plugin}:contains", "common.rewards:number_reward"]:
+        rewards.check_reward(kind)
+
+
+def test_check_reward_module_that_fails_to_import(tmp_path, monkeypatch):
+    (tmp_path / "plug_broken_syntax.py").write_text("def f(:\n")
+    (tmp_path / "plug_raises_on_import.py").write_text("raise RuntimeError('no config\\nfound')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="cannot import plug_broken_syntax \\(SyntaxError"):
+        rewards.check_reward("plug_broken_syntax:f")
+    with pytest.raises(ValueError, match="RuntimeError: no config found"):
+        rewards.check_reward("plug_raises_on_import:f")
