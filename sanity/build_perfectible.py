@@ -67,8 +67,9 @@ class Args:
     # --- as in the algorithm scripts (same names, same meaning; keep them equal to the training run's)
     prompt_template: str = "chat"
     """'chat' (the tokenizer's chat template with the R1-distill instruction) or a format string with {problem}"""
-    reward: Literal["math", "exact"] = "math"
-    """'math': math-verify on the last \\boxed{}; 'exact': the stripped response equals the answer"""
+    reward: str = "math"
+    """'math' (math-verify on the last \\boxed{}), 'exact' (the stripped response equals the answer), 'number' (its
+    final number equals the answer's) or 'module:function' (a plug-in: fn(response, answer) -> float)"""
     max_prompt_len: int = 1024
     """prompts longer than this (tokens) are reported and skipped"""
     max_response_len: int = 8192
@@ -206,6 +207,8 @@ def validate(args: Args) -> None:
         raise FileNotFoundError(f"dataset {args.dataset!r}: no such file")
     from common.sampler import resolve_sampler
     resolve_sampler(args.sampler)
+    from common.rewards import check_reward
+    check_reward(args.reward)
 
 
 def main(args: Args) -> dict:
