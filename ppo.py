@@ -56,7 +56,7 @@ from common.logger import Logger
 from common.logprobs import collate, pad_float, split_microbatches
 from common.metrics import MismatchMonitor, mismatch_metrics, mismatch_stats
 from common.precision import DTYPES, LossScaler, TrainingFault, resolve_precisions
-from common.rewards import score_rollout
+from common.rewards import check_reward, score_rollout
 from common.sampler import make_sampler, resolve_sampler
 
 
@@ -86,8 +86,10 @@ class Args:
     """'chat' (the tokenizer's chat template, with the R1-distill instruction), 'chat:<format>' (the chat template
     with <format> as the user turn, e.g. 'chat:{problem}') or a raw format string with {problem} and optionally
     {instruction}, e.g. '{problem}\\n{instruction}\\n'"""
-    reward: Literal["math", "exact"] = "math"
-    """'math': math-verify on the last \\boxed{}; 'exact': the stripped response equals the answer"""
+    reward: str = "math"
+    """'math': math-verify on the last \\boxed{}; 'exact': the stripped response equals the answer; 'number': its
+    final number (after '####', else after 'the answer is', else the last) equals the answer's; 'module:function':
+    your fn(response, answer) -> float, e.g. my_rewards:score, run in a time-limited worker (README: Rewards)"""
     max_prompt_len: int = 1024
     """prompts longer than this (tokens) are reported and skipped, never cut"""
     max_response_len: int = 8192
@@ -314,6 +316,7 @@ def validate(args: Args, world_size: int) -> None:
         raise ValueError("--temperature must be > 0 for training rollouts")
     exact(world_size, args.vllm_tp, "the number of ranks over --vllm-tp")
     resolve_sampler(args.sampler)
+    check_reward(args.reward)  # imports a plug-in's module here, so that a typo fails before any model loads
     if args.model is not None:
         check_model_dir(args.model)
     for path in ([args.dataset] if args.dataset else []) + list(args.eval_dataset):

@@ -70,8 +70,9 @@ class Args:
     prompt_template: str = "chat"
     """'chat' (the tokenizer's chat template with the R1-distill instruction), 'chat:<format>' (the chat template
     with <format> as the user turn) or a raw format string with {problem}"""
-    reward: Literal["math", "exact"] = "math"
-    """'math': math-verify on the last \\boxed{}; 'exact': the stripped response equals the answer"""
+    reward: str = "math"
+    """'math' (math-verify on the last \\boxed{}), 'exact' (the stripped response equals the answer), 'number' (its
+    final number equals the answer's) or 'module:function' (a plug-in: fn(response, answer) -> float)"""
     max_prompt_len: int = 1024
     """prompts longer than this (tokens) are reported and skipped"""
     max_response_len: int = 8192
@@ -209,6 +210,8 @@ def validate(args: Args) -> None:
         raise FileNotFoundError(f"dataset {args.dataset!r}: no such file")
     from common.sampler import resolve_sampler
     resolve_sampler(args.sampler)
+    from common.rewards import check_reward
+    check_reward(args.reward)
 
 
 def main(args: Args) -> dict:

@@ -1,10 +1,18 @@
+import json
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
+import uuid
+from fractions import Fraction
 
 import pytest
 
 from common import rewards
-from common.rewards import REWARD_FNS, exact_match_reward, extract_boxed, math_reward, score_responses
+from common.rewards import (REWARD_FNS, exact_match_reward, extract_boxed, extract_number, math_reward, number_reward,
+                            score_responses, score_rollout)
 
 TIMEOUT_S = 2.0  # a short per-check timeout keeps the pathological tests fast
 MARGIN_S = 2.0  # the worker answers at the timeout; it is killed at timeout + 1 s
@@ -141,7 +149,83 @@ def test_exact_match():
 
 
 def test_reward_fns():
-    assert REWARD_FNS == {"math": math_reward, "exact": exact_match_reward}
+    assert REWARD_FNS == {"math": math_reward, "exact": exact_match_reward, "number": number_reward}
+
+
+# ----------------------------------------------------------------------------
+# number_reward: the final number, GSM8K style
+
+
+@pytest.mark.parametrize(
+    "response,answer",
+    [
+        ("10 + 4 equals 14.", "14"),  # a sentence: the trailing period is not a decimal point
+        ("The total is 1,234 apples", "1234"),  # thousands commas
+        ("The total is 1234", "1,234"),
+        ("It costs $1,234,567.", "1234567"),
+        ("x = -5", "-5"),
+        ("x = \u22125", "-5"),  # Unicode minus
+        ("+5", "5"),
+        ("It costs $3.50.", "3.5"),
+        ("half is .5", "0.5"),
+        ("14.0", "14"),
+        ("0.3333333", "0.333333"),  # decimals: relative tolerance 1e-6
+        ("I have 14apples", "14"),  # glued to a word
+        ("So \\$14 in total", "14"),  # LaTeX dollar
+        ("50%", "50"),  # the percent sign is ignored
+        ("10-4 = 6", "6"),  # a binary minus is not a sign
+        ("10-4", "4"),
+        ("First 3 + 4 = 7, then 7 * 2 = 14.", "14"),  # the last number
+        ("#### 42\nso maybe 43 in the end", "42"),  # after #### wins over a later number
+        ("The answer is 7. Check: 3 + 4 = 7, and 8 is wrong", "7"),  # "the answer is" wins over a later number
+        ("answer: 12 (from 5 + 7)", "12"),
+        ("The final ANSWER is 9, not 10.", "9"),
+        ("The answer is 3 #### 5", "5"),  # #### wins over "the answer is"
+        ("The answer is unclear. I guess 8", "8"),  # the first number after the phrase
+        ("#### \nno number after the marker, the last is 6", "6"),  # a marker without a number is passed over
+        ("72", "Natalia sold 48 / 2 = 24 clips in May.\nShe sold 48 + 24 = 72 clips.\n#### 72"),  # GSM8K gold
+        ("She has 1,000 left.", "#### 1,000"),
+    ],
+)
+def test_number_reward_equal(response, answer):
+    assert number_reward(response, answer) == 1.0
+
+
+@pytest.mark.parametrize(
+    "response,answer",
+    [
+        ("1, 2", "12"),  # a comma with a space separates two numbers: the last is 2
+        ("1, 2", "1"),
+        ("1,2345", "12345"),  # not a thousands group: 1 and 2345
+        ("10 + 4 equals 15.", "14"),
+        ("-5", "5"),
+        ("5", "-5"),
+        ("3.5", "3.6"),
+        ("0.333", "0.333333"),  # beyond the tolerance
+        ("123456789012", "123456789013"),  # integers are compared exactly (a float would say equal)
+        ("#### 41\nso 42", "42"),
+        ("The answer is 41. Or 42", "42"),
+        ("no number at all", "42"),
+        ("", "42"),
+        ("42", "no number in the gold answer"),
+        ("3/4", "0.75"),  # fractions are not read: "3/4" ends in 4
+        ("1" * 5000, "1"),  # more digits than Python converts: no number, not an exception
+    ],
+)
+def test_number_reward_not_equal(response, answer):
+    assert number_reward(response, answer) == 0.0
+
+
+def test_extract_number():
+    assert extract_number("10 + 4 equals 14.") == 14
+    assert extract_number("1,234.5") == Fraction(2469, 2)
+    assert extract_number("\\$-3.50") == Fraction(-7, 2)
+    assert extract_number("no digits") is None
+
+
+def test_score_responses_number():
+    assert score_responses(["10 + 4 equals 14.", "It is 15", "14"], ["14", "14", "14"], [True, True, False],
+                           "number") == [1.0, 0.0, 0.0]
 
 
 def test_score_responses_exact_with_truncation():
@@ -178,3 +262,173 @@ def test_score_responses_errors():
     with pytest.raises(ValueError, match="2 responses, 1 answers"):
         score_responses(["1", "2"], ["1"], [True, True], "exact")
     assert score_responses([], [], [], "math") == []
+
+
+# ----------------------------------------------------------------------------
+# plug-in rewards: --reward module:function, called in the time-limited workers
+
+
+PLUGIN = '''
+import time
+
+calls = 0
+
+
+def contains(response, answer):
+    return 1.0 if answer in response else 0.0
+
+
+def exact(response, answer):
+    return response.strip() == answer.strip()  # a bool is a number
+
+
+def boom(response, answer):
+    if response == "boom":
+        raise ZeroDivisionError("plugin boom")
+    return 1.0
+
+
+def slow(response, answer):
+    if response == "slow":
+        time.sleep(60)
+    return 1.0
+
+
+def stubborn(response, answer):  # swallows the in-worker timer: only killing the worker stops it
+    while response == "slow":
+        try:
+            time.sleep(60)
+        except BaseException:
+            pass
+    return 1.0
+
+
+def nan(response, answer):
+    return float("nan")
+
+
+def text(response, answer):
+    return "1.0"
+
+
+not_a_function = 3
+'''
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    """The name of a fresh plug-in module (fresh, as workers and sys.modules keep what they imported)."""
+    name = f"plug_{uuid.uuid4().hex[:12]}"
+    (tmp_path / f"{name}.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_plugin_scores_in_a_worker(plugin):
+    responses = ["so it is 14", "15", "it is 7", "no"]
+    assert score_rollout(responses, ["14", "14", "7", "7"], [True] * 4, f"{plugin}:contains") == ([1.0, 0.0, 1.0, 0.0], 0)
+    assert score_responses([" 3 ", "4"], ["3", "3"], [True, True], f"{plugin}:exact") == [1.0, 0.0]
+    assert plugin not in rewards._plugins  # called in the workers, not here
+
+
+def test_plugin_found_in_the_current_directory(tmp_path, monkeypatch):
+    name = f"plug_{uuid.uuid4().hex[:12]}"
+    (tmp_path / f"{name}.py").write_text(PLUGIN)
+    monkeypatch.chdir(tmp_path)  # not on sys.path: found as the parent's cwd, in the parent and in the workers
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    rewards.check_reward(f"{name}:contains")
+    assert score_responses(["a 1", "a 2"], ["1", "1"], [True, True], f"{name}:contains") == [1.0, 0.0]
+
+
+def test_plugin_exception_is_a_counted_failure(plugin, capfd):
+    rewards._reported.discard("ZeroDivisionError")
+    r, failed = score_rollout(["1", "boom", "boom", "boom"], ["1"] * 4, [True, True, True, False], f"{plugin}:boom")
+    assert r == [1.0, 0.0, 0.0, 0.0] and failed == 2  # the truncated one is not checked
+    err = capfd.readouterr().err
+    assert err.count("raised ZeroDivisionError") == 1 and "plugin boom" in err  # reported once
+
+
+@pytest.mark.parametrize("fn,error", [("nan", "ValueError"), ("text", "TypeError")])
+def test_plugin_non_number_is_a_counted_failure(plugin, capfd, fn, error):
+    rewards._reported.discard(error)
+    assert score_rollout(["1", "2"], ["1", "2"], [True, True], f"{plugin}:{fn}") == ([0.0, 0.0], 2)
+    assert "not a" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("fn", ["slow", "stubborn"])
+def test_plugin_past_the_time_limit_is_a_counted_failure(plugin, monkeypatch, fn):
+    # slow: stopped by the worker's timer; stubborn ignores it, so the parent kills the worker at its deadline
+    monkeypatch.setattr(rewards, "PLUGIN_TIMEOUT_S", 1.0)
+    score_responses(["1", "1"], ["1", "1"], [True, True], f"{plugin}:{fn}")  # workers up, the module imported
+    t0 = time.time()
+    assert score_rollout(["slow"], ["1"], [True], f"{plugin}:{fn}") == ([0.0], 1)
+    assert time.time() - t0 < 1.0 + MARGIN_S
+    # the run goes on: the other responses of a batch are scored, by a fresh worker where one was killed
+    assert score_rollout(["slow", "1", "2"], ["1", "1", "1"], [True] * 3, f"{plugin}:{fn}") == ([0.0, 1.0, 1.0], 1)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("nocolon", "unknown reward kind"),
+    ("fuzzy", "unknown reward kind"),
+    ("a:b:c", "unknown reward kind"),
+    ("nosuchmod_xyz:fn", "cannot import nosuchmod_xyz (ModuleNotFoundError"),
+    ("{plugin}:missing", "has no attribute missing"),
+    ("{plugin}:not_a_function", "is not callable"),
+])
+def test_check_reward_rejects_bad_specs(plugin, spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        rewards.check_reward(spec.format(plugin=plugin))
+    assert "\n" not in str(e.value)
+    for kind in ["math", "exact", "number", f"{plugin}:contains", "common.rewards:number_reward"]:
+        rewards.check_reward(kind)
+
+
+def test_check_reward_module_that_fails_to_import(tmp_path, monkeypatch):
+    (tmp_path / "plug_broken_syntax.py").write_text("def f(:\n")
+    (tmp_path / "plug_raises_on_import.py").write_text("raise RuntimeError('no config\\nfound')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="cannot import plug_broken_syntax \\(SyntaxError"):
+        rewards.check_reward("plug_broken_syntax:f")
+    with pytest.raises(ValueError, match="RuntimeError: no config found"):
+        rewards.check_reward("plug_raises_on_import:f")
+
+
+# ----------------------------------------------------------------------------
+# end to end: grpo.py --reward on the built-in task (CPU)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = ["--num-steps", "2", "--num-prompts", "8", "--group-size", "4", "--num-minibatches", "2",
+        "--micro-batch-tokens", "96", "--eval-every", "0", "--eval-k", "2", "--eval-max-problems", "8",
+        "--save-every", "0"]
+
+
+def run_grpo(args, cwd):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, os.path.join(ROOT, "grpo.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_grpo_bad_reward_fails_fast(tmp_path):
+    p = run_grpo(["--run-dir", str(tmp_path / "run"), "--reward", "nosuchmod:fn"], ROOT)
+    assert p.returncode == 2, p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if "error" in line.lower()]
+    assert errors == ["grpo.py: error: --reward 'nosuchmod:fn': cannot import nosuchmod "
+                      "(ModuleNotFoundError: No module named 'nosuchmod')"], p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and "Loading weights" not in p.stderr
+
+
+def test_grpo_trains_on_a_plugin_reward(tmp_path):
+    # the module sits in the directory the run starts from, as a user's own reward file would
+    (tmp_path / "my_rewards.py").write_text("def exact(response, answer):\n"
+                                            "    return float(response.strip() == answer.strip())\n")
+    run_dir = str(tmp_path / "run")
+    p = run_grpo(["--run-dir", run_dir, "--reward", "my_rewards:exact", *FAST], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    steps = [r for r in rows if "train/accuracy" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["train/reward_failures"] == 0 for r in steps)
+    assert max(r["train/accuracy"] for r in steps) > 0  # the warm-started model solves about 40% at first
+    assert any("eval/eval/accuracy" in r for r in rows)  # evaluation scores with the plug-in too
