@@ -271,8 +271,6 @@ def test_score_responses_errors():
 PLUGIN = '''
 import time
 
-calls = 0
-
 
 def contains(response, answer):
     return 1.0 if answer in response else 0.0
@@ -326,7 +324,8 @@ def plugin(tmp_path, monkeypatch):
 
 def test_plugin_scores_in_a_worker(plugin):
     responses = ["so it is 14", "15", "it is 7", "no"]
-    assert score_rollout(responses, ["14", "14", "7", "7"], [True] * 4, f"{plugin}:contains") == ([1.0, 0.0, 1.0, 0.0], 0)
+    r = score_rollout(responses, ["14", "14", "7", "7"], [True] * 4, f"{plugin}:contains")
+    assert r == ([1.0, 0.0, 1.0, 0.0], 0)
     assert score_responses([" 3 ", "4"], ["3", "3"], [True, True], f"{plugin}:exact") == [1.0, 0.0]
     assert plugin not in rewards._plugins  # called in the workers, not here
 
