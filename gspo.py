@@ -97,6 +97,10 @@ class Args:
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take for weights and KV cache (on CPU: of the NUMA node's memory); the
     trainer needs the rest while vLLM is awake"""
+    vllm_kv_cache_gib: float = 0.0
+    """GiB of KV cache per vLLM engine, fixed instead of sized by measuring free memory while the engine starts (0:
+    measure); set it when several runs share a GPU (sanity/run_sanity.py --parallel): another process allocating
+    or freeing during that measurement makes the engine fail to start"""
     vllm_sleep_level: Literal[0, 1, 2] = 1
     """vLLM sleep mode while the trainer trains (GPU only): 1 offloads the weights to CPU and frees the KV cache, 2
     also discards the weights (reloaded from the trainer before sampling), 0 keeps everything"""
@@ -277,7 +281,7 @@ def main(args: Args) -> None:
     print0(f"[sampler] {sampler_kind} ({why})")
     sampler = make_sampler(sampler_kind, weights_path, rollout_prec, device, args.seed, rank,
                            args.max_prompt_len + args.max_response_len, args.sampler_batch_size, args.vllm_tp,
-                           args.vllm_gpu_memory_utilization, args.vllm_sleep_level)
+                           args.vllm_gpu_memory_utilization, args.vllm_sleep_level, args.vllm_kv_cache_gib)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     print0(f"[setup] {world_size} rank(s) on {device.type}; train {train_prec}, rollout {rollout_prec}; "
            f"{sum(p.numel() for p in params) * world_size / 1e6:.1f}M parameters (approx.)")

@@ -352,11 +352,12 @@ def resolve_sampler(kind: str) -> tuple[str, str]:
 
 
 def make_sampler(kind: str, model_path: str, precision: str, device, seed: int, rank: int, max_model_len: int,
-                 batch_size: int, vllm_tp: int, vllm_gpu_memory_utilization: float, vllm_sleep_level: int):
+                 batch_size: int, vllm_tp: int, vllm_gpu_memory_utilization: float, vllm_sleep_level: int,
+                 vllm_kv_cache_gib: float = 0.0):
     """The sampler of a rank: vLLM engines are seeded per TP group, the fallback sampler per rank."""
     from common.precision import DTYPES
     if kind == "vllm":
         from common.vllm_sampler import VLLMSampler
         return VLLMSampler(model_path, precision, seed + rank // vllm_tp, max_model_len, vllm_tp,
-                           vllm_gpu_memory_utilization, vllm_sleep_level)
+                           vllm_gpu_memory_utilization, vllm_sleep_level, vllm_kv_cache_gib)
     return HFSampler(model_path, DTYPES[precision], device, seed + rank, batch_size)

@@ -33,7 +33,7 @@ def _model_runner(llm):
 
 class VLLMSampler:
     def __init__(self, model_path: str, precision: str, seed: int, max_model_len: int, tp: int = 1,
-                 gpu_memory_utilization: float = 0.3, sleep_level: int = 1):
+                 gpu_memory_utilization: float = 0.3, sleep_level: int = 1, kv_cache_gib: float = 0.0):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         # external_launcher reads torchrun's variables; a plain `python script.py` is a group of one
         self.env_set = []  # the variables set here, unset at shutdown: a later group of one must not look like torchrun
@@ -48,12 +48,16 @@ class VLLMSampler:
         self.asleep = False
         self.weights_awake = True  # the weights' GPU memory is allocated
         self.weights_loaded = True  # the engine holds the current weights (a level 2 sleep discards them)
+        # a fixed KV cache skips vLLM's measurement of free memory at start, which fails when another process on
+        # the same GPU allocates or frees meanwhile ("No available memory for the cache blocks", "Error in memory
+        # profiling"), as parallel sanity runs do
+        fixed_kv = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib > 0 else {}
         try:
             self.llm = LLM(model=model_path, dtype=VLLM_DTYPES[precision], seed=seed, tensor_parallel_size=tp,
                            distributed_executor_backend="external_launcher", max_model_len=max_model_len,
                            gpu_memory_utilization=gpu_memory_utilization, skip_tokenizer_init=True,
                            logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_level > 0,
-                           enforce_eager=not torch.cuda.is_available(), enable_prefix_caching=True)
+                           enforce_eager=not torch.cuda.is_available(), enable_prefix_caching=True, **fixed_kv)
         except (ValueError, NotImplementedError, RuntimeError) as e:
             text = str(e).lower()
             if any(w in text for w in ("dtype", "float16", "float32", "bfloat16", "not supported")):

@@ -91,6 +91,9 @@ class Args:
     """sequences decoded at once by the fallback sampler"""
     vllm_gpu_memory_utilization: float = 0.8
     """fraction of GPU memory vLLM may take (nothing else runs beside it here)"""
+    vllm_kv_cache_gib: float = 0.0
+    """GiB of KV cache per vLLM engine, fixed instead of sized by measuring free memory while the engine starts (0:
+    measure), as in the algorithm scripts"""
 
 
 # The built-in task's defaults, as in the algorithm scripts' BUILTIN.
@@ -261,7 +264,7 @@ def main(args: Args) -> dict:
         print0(f"[sampler] {kind} ({why})")
         sampler = make_sampler(kind, model_path, args.precision, device, args.seed, 0,
                                args.max_prompt_len + args.max_response_len, args.sampler_batch_size, 1,
-                               args.vllm_gpu_memory_utilization, 0)
+                               args.vllm_gpu_memory_utilization, 0, args.vllm_kv_cache_gib)
         t0 = time.perf_counter()
         bar = tqdm(total=n_todo, desc="build", unit="problem", dynamic_ncols=True)
         with open(results_path, "a", encoding="utf-8") as f:

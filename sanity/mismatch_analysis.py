@@ -79,6 +79,9 @@ class Args:
     """sequences decoded at once by the fallback sampler"""
     vllm_gpu_memory_utilization: float = 0.5
     """fraction of GPU memory vLLM may take (the trainer loads after the sampler is shut down)"""
+    vllm_kv_cache_gib: float = 0.0
+    """GiB of KV cache per vLLM engine, fixed instead of sized by measuring free memory while the engine starts (0:
+    measure), as in the algorithm scripts"""
     micro_batch_tokens: int = 32768
     """token budget of a trainer forward pass (rows x longest row)"""
     logprob_chunk: int = 2048
@@ -272,7 +275,7 @@ def main(args: Args) -> dict:
         t0 = time.perf_counter()
         # the sampler in p: responses and mu_logp (shut down before the trainer loads, to share the memory)
         sampler = make_sampler(kind, model_path, p, device, args.seed, 0, args.max_prompt_len + args.max_response_len,
-                               args.sampler_batch_size, 1, args.vllm_gpu_memory_utilization, 0)
+                               args.sampler_batch_size, 1, args.vllm_gpu_memory_utilization, 0, args.vllm_kv_cache_gib)
         out = sampler.generate(prompts, args.samples, args.max_response_len, args.temperature, 1.0)
         sampler.shutdown()
         del sampler

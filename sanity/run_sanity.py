@@ -15,8 +15,9 @@ its first pass to save time, so its final kl_k3 is the one of that step; --no-st
 
 Steps, each a subprocess whose command is printed (run it alone to redo one part):
   1. sanity/build_perfectible.py -> <out>/perfectible/ (resumes where it stopped)
-  2. <algo>.py --dataset <out>/perfectible/perfectible.jsonl --precision <p>, per algorithm and precision
-     -> <out>/runs/<algo>_<p>/ (metrics.jsonl, train.log); watched through metrics.jsonl while it runs
+  2. <algo>.py --dataset <out>/perfectible/perfectible.jsonl --precision <p>, per configuration and precision
+     -> <out>/runs/<config>_<p>/ (metrics.jsonl, train.log); watched through metrics.jsonl while it runs;
+     --parallel N runs N at once (and the analysis beside them)
   3. sanity/mismatch_analysis.py on the kept problems' prompts -> <out>/analysis/
   4. <out>/report.md with the table, the histogram, the curves (curves.png) and the analysis; results.json
 Exit status: 1 if a configuration of --must-pass-precisions fails (or a step crashes), else 0. A failing
@@ -44,7 +45,10 @@ import tyro
 
 from sanity.report import fmt, md_table, pass_check, plot_curves, read_metrics
 
-Algorithm = Literal["grpo", "pg_is", "gspo", "ppo"]
+Algorithm = Literal["grpo", "grpo_token_tis", "grpo_seq_mis", "pg_is", "gspo", "ppo"]
+# a configuration -> (its script, the flags that make it): the study's grid has three GRPO modes
+CONFIGS = {"grpo_token_tis": ("grpo", ["--is-correction", "token-tis"]),
+           "grpo_seq_mis": ("grpo", ["--is-correction", "seq-mis"])}
 Precision = Literal["fp16", "bf16", "fp32"]
 
 
@@ -58,7 +62,8 @@ class Args:
     dataset: str | None = None
     """the problem pool of the perfectible set (default: the built-in training set)"""
     algorithms: tuple[Algorithm, ...] = ("grpo", "pg_is", "gspo", "ppo")
-    """the algorithm scripts to run"""
+    """the configurations to run: an algorithm script, or grpo_token_tis / grpo_seq_mis (grpo.py with
+    --is-correction token-tis / seq-mis), e.g. the study's grid: grpo grpo_token_tis grpo_seq_mis pg_is gspo ppo"""
     precisions: tuple[Precision, ...] = ("fp32", "fp16", "bf16")
     """the precisions to run each algorithm at (--precision of the scripts: both sides)"""
     must_pass_precisions: tuple[Precision, ...] = ("fp32", "fp16")
@@ -75,6 +80,12 @@ class Args:
     """seed of the builder, the runs and the analysis"""
     nproc_per_node: int = 1
     """ranks per run (torchrun when > 1); the builder and the analysis are single processes"""
+    parallel: int = 1
+    """runs at once (a small model leaves most of a GPU idle: several runs, each with its own sampler, share it);
+    with more than 1 the mismatch analysis runs beside them. Give each a share of the GPU with
+    --common-args="--vllm-gpu-memory-utilization X" (X about 0.9 / parallel runs, less the trainers' share)"""
+    stagger_s: float = 20.0
+    """seconds between the starts of parallel runs (vLLM measures free memory while its engine starts)"""
     # --- the perfectible set
     k: int = 40
     """responses sampled per problem by the builder"""
@@ -136,57 +147,92 @@ def run_step(cmd: list[str], what: str) -> None:
         raise SystemExit(f"[sanity] {what} failed (exit status {p.returncode}); see its output above")
 
 
-def train_run(cmd: list[str], run_dir: str, label: str, args: Args) -> dict:
-    """Launch one algorithm script, watch its metrics.jsonl, stop it at the first pass with --stop-early.
-    Returns pass_check's dict plus status ('pass', 'fail' or 'error') and seconds."""
-    from tqdm import tqdm
-    shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl is appended to: start clean
-    os.makedirs(run_dir)
-    print(f"[sanity] {label}: {shlex.join(cmd)}", flush=True)
-    t0 = time.perf_counter()
-    with open(os.path.join(run_dir, "train.log"), "w") as log:
+class TrainRun:
+    """One algorithm script as a subprocess, watched through its metrics.jsonl and stopped at its first pass with
+    --stop-early. poll() returns True once it is over; result() gives pass_check's dict plus status ('pass', 'fail'
+    or 'error') and seconds."""
+
+    def __init__(self, cmd: list[str], run_dir: str, label: str, args: Args):
+        from tqdm import tqdm
+        self.run_dir, self.label, self.args = run_dir, label, args
+        shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl is appended to: start clean
+        os.makedirs(run_dir)
+        print(f"[sanity] {label}: {shlex.join(cmd)}", flush=True)
+        self.t0 = time.perf_counter()
+        self.log = open(os.path.join(run_dir, "train.log"), "w")
         # its own process group, so that stopping it stops torchrun's workers too
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        bar = tqdm(total=args.num_steps, desc=label, unit="step", dynamic_ncols=True,
-                   mininterval=1 if sys.stderr.isatty() else 30)  # in a log file: a line every 30 s at most
-        stopped = False
-        try:
-            while True:
-                code = proc.poll()
-                res = pass_check(read_metrics(run_dir), args.threshold, args.window)
-                if res["steps_run"] > bar.n:
-                    bar.set_postfix_str(f"best {args.window}-step acc {fmt(res['best'])}", refresh=False)
-                    bar.update(res["steps_run"] - bar.n)
-                if code is not None:
-                    break
-                if res["passed"] and args.stop_early:
-                    stopped = True
-                    break
-                time.sleep(1.0)
-        finally:  # passed with --stop-early, or we are interrupted (Ctrl-C does not reach its process group)
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-            bar.close()
-    res["seconds"] = round(time.perf_counter() - t0, 1)
-    res["stopped_early"] = stopped
-    if res["passed"]:
-        res["status"] = "pass"
-    elif code != 0 or not res["steps_run"]:
-        res["status"] = "error"
-        with open(os.path.join(run_dir, "train.log")) as f:
-            tail = f.read()[-2000:]
-        print(f"[sanity] {label} exited with status {code}; the end of {run_dir}/train.log:\n{tail}", flush=True)
-    else:
-        res["status"] = "fail"
-    print(f"[sanity] {label}: {res['status']}, best {args.window}-step accuracy {fmt(res['best'])}, "
-          f"steps to pass {fmt(res['steps_to_pass'])}, kl_k3 {fmt(res['final_kl_k3'])} ({res['seconds']} s)",
-          flush=True)
-    return res
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.bar = tqdm(total=args.num_steps, desc=label, unit="step", dynamic_ncols=True,
+                        mininterval=1 if sys.stderr.isatty() else 30)  # in a log file: a line every 30 s at most
+        self.code, self.stopped, self.res = None, False, None
+
+    def poll(self) -> bool:
+        self.code = self.proc.poll()
+        self.res = pass_check(read_metrics(self.run_dir), self.args.threshold, self.args.window)
+        if self.res["steps_run"] > self.bar.n:
+            self.bar.set_postfix_str(f"best {self.args.window}-step acc {fmt(self.res['best'])}", refresh=False)
+            self.bar.update(self.res["steps_run"] - self.bar.n)
+        if self.code is not None:
+            return True
+        if self.res["passed"] and self.args.stop_early:
+            self.stopped = True
+            return True
+        return False
+
+    def stop(self) -> None:
+        """Passed with --stop-early, or we are interrupted (Ctrl-C does not reach its process group)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.bar.close()
+        self.log.close()
+
+    def result(self) -> dict:
+        res = dict(self.res)
+        res["seconds"] = round(time.perf_counter() - self.t0, 1)
+        res["stopped_early"] = self.stopped
+        if res["passed"]:
+            res["status"] = "pass"
+        elif self.code != 0 or not res["steps_run"]:
+            res["status"] = "error"
+            with open(os.path.join(self.run_dir, "train.log")) as f:
+                tail = f.read()[-2000:]
+            print(f"[sanity] {self.label} exited with status {self.code}; the end of {self.run_dir}/train.log:\n"
+                  f"{tail}", flush=True)
+        else:
+            res["status"] = "fail"
+        print(f"[sanity] {self.label}: {res['status']}, best {self.args.window}-step accuracy {fmt(res['best'])}, "
+              f"steps to pass {fmt(res['steps_to_pass'])}, kl_k3 {fmt(res['final_kl_k3'])} ({res['seconds']} s)",
+              flush=True)
+        return res
+
+
+def run_all(jobs: list[tuple[dict, list[str], str, str]], args: Args, extra: subprocess.Popen | None = None) -> list:
+    """Run the (info, cmd, run_dir, label) jobs, --parallel at a time, their starts --stagger-s apart. Returns
+    info + result per job, in the jobs' order. `extra` (the analysis, beside the runs) is waited for at the end."""
+    results, running, todo = [None] * len(jobs), {}, list(enumerate(jobs))
+    last_start = -1e9
+    try:
+        while todo or running:
+            if todo and len(running) < args.parallel and time.perf_counter() - last_start >= (
+                    args.stagger_s if args.parallel > 1 else 0):
+                i, (info, cmd, run_dir, label) = todo.pop(0)
+                running[i] = TrainRun(cmd, run_dir, label, args)
+                last_start = time.perf_counter()
+            for i, run in list(running.items()):
+                if run.poll():
+                    run.stop()
+                    results[i] = {**jobs[i][0], "run_dir": jobs[i][2], **run.result()}
+                    del running[i]
+            time.sleep(1.0)
+    finally:
+        for run in running.values():
+            run.stop()
+    return results
 
 
 def get_verdict(results: list[dict], must_pass_precisions, analysis_ok: bool = True) -> str:
@@ -207,7 +253,8 @@ def get_verdict(results: list[dict], must_pass_precisions, analysis_ok: bool = T
 def write_report(args: Args, argv: list[str], results: list[dict], hist: dict, verdict: str, out: str) -> None:
     """report.md (with curves.png) in the output directory."""
     from sanity.mismatch_analysis import analysis_markdown
-    colors = {"grpo": "tab:blue", "pg_is": "tab:orange", "gspo": "tab:green", "ppo": "tab:red"}
+    colors = {"grpo": "tab:blue", "grpo_token_tis": "tab:purple", "grpo_seq_mis": "tab:brown", "pg_is": "tab:orange",
+              "gspo": "tab:green", "ppo": "tab:red"}
     dashes = {"fp32": ":", "fp16": "-", "bf16": "--"}
     series, styles = [], {}
     for r in results:
@@ -274,8 +321,8 @@ def validate(args: Args) -> None:
         raise ValueError(f"need 1 <= --window <= --num-steps, got window {args.window}, num-steps {args.num_steps}")
     if not 0 < args.threshold <= 1:
         raise ValueError(f"--threshold must be in (0, 1], got {args.threshold}")
-    if args.nproc_per_node < 1:
-        raise ValueError("--nproc-per-node must be >= 1")
+    if args.nproc_per_node < 1 or args.parallel < 1:
+        raise ValueError("--nproc-per-node and --parallel must be >= 1")
     for path, what in ((args.model, "--model"), (args.dataset, "--dataset")):
         if path is not None and not os.path.exists(path):
             raise FileNotFoundError(f"{what} {path!r}: no such file or directory")
@@ -307,30 +354,40 @@ def main(args: Args, argv: list[str]) -> int:
         raise SystemExit(f"[sanity] no problem has a success rate in [{args.band_low}, {args.band_high}]: nothing to "
                          "train on (see perfectible/histogram.json)")
 
-    # --- 2. every algorithm at every precision
+    # --- 2. every configuration at every precision (with --parallel > 1 the analysis runs beside them)
     per_algo = algo_args(args)
     launcher = ([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}"]
                 if args.nproc_per_node > 1 else [py])
-    results = []
+    jobs = []
     for algo in args.algorithms:
+        script, flags = CONFIGS.get(algo, (algo, []))
         for prec in args.precisions:
             run_dir = os.path.join(out, "runs", f"{algo}_{prec}")
-            cmd = launcher + [os.path.join(ROOT, f"{algo}.py"), "--dataset", kept, "--precision", prec,
+            cmd = launcher + [os.path.join(ROOT, f"{script}.py"), *flags, "--dataset", kept, "--precision", prec,
                               "--run-dir", run_dir, "--exp-name", f"sanity_{algo}_{prec}", "--seed", str(args.seed),
                               "--num-steps", str(args.num_steps), "--eval-every", "0", "--save-every", "0",
                               *common, *split(args.script_args), *per_algo.get(algo, [])]
-            res = train_run(cmd, run_dir, f"{algo} {prec}", args)
-            results.append({"algorithm": algo, "precision": prec, "run_dir": run_dir, **res})
+            jobs.append(({"algorithm": algo, "precision": prec}, cmd, run_dir, f"{algo} {prec}"))
+    analysis_cmd = [py, os.path.join(ROOT, "sanity", "mismatch_analysis.py"), "--dataset", kept, "--out-dir",
+                    os.path.join(out, "analysis"), "--seed", str(args.seed), *common, *split(args.analysis_args)]
+    analysis = None
+    if args.analysis and args.parallel > 1:
+        print(f"[sanity] mismatch analysis, beside the runs: {shlex.join(analysis_cmd)}", flush=True)
+        os.makedirs(os.path.join(out, "analysis"), exist_ok=True)
+        analysis = subprocess.Popen(analysis_cmd, stdout=open(os.path.join(out, "analysis", "analysis.log"), "w"),
+                                    stderr=subprocess.STDOUT)
+    results = run_all(jobs, args)
 
     # --- 3. the offline mismatch analysis on the kept problems' prompts
     analysis_ok = True
-    if args.analysis:
-        cmd = [py, os.path.join(ROOT, "sanity", "mismatch_analysis.py"), "--dataset", kept, "--out-dir",
-               os.path.join(out, "analysis"), "--seed", str(args.seed), *common, *split(args.analysis_args)]
-        print(f"[sanity] mismatch analysis: {shlex.join(cmd)}", flush=True)
-        analysis_ok = subprocess.run(cmd).returncode == 0
-        if not analysis_ok:
-            print("[sanity] the mismatch analysis failed; see its output above", flush=True)
+    if analysis is not None:
+        analysis_ok = analysis.wait() == 0
+    elif args.analysis:
+        print(f"[sanity] mismatch analysis: {shlex.join(analysis_cmd)}", flush=True)
+        analysis_ok = subprocess.run(analysis_cmd).returncode == 0
+    if not analysis_ok:
+        print("[sanity] the mismatch analysis failed; see its output" + (" in analysis/analysis.log" if analysis
+                                                                         else " above"), flush=True)
 
     # --- 4. verdict and report
     verdict = get_verdict(results, args.must_pass_precisions, analysis_ok)

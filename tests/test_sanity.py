@@ -233,8 +233,28 @@ def test_reduced_sanity_run_passes_and_can_fail(tmp_path):
     assert res["runs"][0]["steps_run"] == 6
 
 
+def test_parallel_runs_of_grpo_variants_with_the_analysis_beside(tmp_path):
+    """--parallel 2: grpo and grpo_token_tis (grpo.py --is-correction token-tis) side by side, the analysis beside
+    them; every run gets its own directory, flags and result, in the order asked."""
+    out = str(tmp_path / "sanity")
+    p = run([sys.executable, "sanity/run_sanity.py", "--out-dir", out, "--algorithms", "grpo", "grpo_token_tis",
+             "--precisions", "fp32", "--must-pass-precisions", "fp32", "--k", "8", "--max-problems", "80",
+             "--num-steps", "3", "--window", "3", "--no-stop-early", "--parallel", "2", "--stagger-s", "1",
+             "--analysis-args=--precisions fp32 --num-prompts 8"])
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]  # 3 steps cannot pass: a FAIL, not an error
+    res = json.load(open(os.path.join(out, "results.json")))
+    assert [(r["algorithm"], r["status"], r["steps_run"]) for r in res["runs"]] == [("grpo", "fail", 3),
+                                                                                   ("grpo_token_tis", "fail", 3)]
+    cfg = {a: json.load(open(os.path.join(out, "runs", f"{a}_fp32", "config.json")))
+           for a in ("grpo", "grpo_token_tis")}
+    assert cfg["grpo"]["is_correction"] == "none" and cfg["grpo_token_tis"]["is_correction"] == "token-tis"
+    assert os.path.exists(os.path.join(out, "analysis", "analysis.json"))  # run beside, waited for
+    assert "## Offline mismatch analysis" in open(os.path.join(out, "report.md")).read()
+
+
 @pytest.mark.parametrize("args,message", [
     (["--algo-args", "sac=--lr 1"], "expected ALGO=ARGS"),
+    (["--parallel", "0"], "--parallel"),
     (["--window", "0"], "--window"),
     (["--dataset", "/nonexistent.jsonl"], "no such file"),
     (["--script-args", "'unbalanced"], "quotation"),
