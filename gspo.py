@@ -52,7 +52,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the run (the run directory and wandb run are named after it)"""
     seed: int = 1
-    """seed of the initial weights' randomness, the data order and (plus the rank) the sampling streams"""
+    """seed of the initial weights' randomness, the data order and (with the rank) the sampling streams"""
     run_dir: str | None = None
     """where metrics.jsonl, config.json and checkpoints/ go (default: runs/<exp_name>_<seed>)"""
     track: bool = False
@@ -274,7 +274,7 @@ def main(args: Args) -> None:
                            args.vllm_gpu_memory_utilization, args.vllm_sleep_level)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     print0(f"[setup] {world_size} rank(s) on {device.type}; train {train_prec}, rollout {rollout_prec}; "
-           f"{sum(p.numel() for p in params) * world_size / 1e6:.1f}M parameters (approx.)")
+           f"{sum(p.numel() for p in params) / 1e6:.1f}M parameters")  # a DTensor's numel is the full size
 
     start_step = 0
     if resume_dir:
