@@ -38,7 +38,8 @@ import torch
 import tyro
 from transformers import AutoTokenizer
 
-from common.checkpoint import find_resume_dir, load_training_state, rng_state, save_checkpoint, set_rng_state
+from common.checkpoint import (check_shared_dir, find_resume_dir, load_training_state, rng_state, save_checkpoint,
+                               set_rng_state)
 from common.data import encode_problems, load_problems
 from common.dist import cleanup_distributed, phase_memory, print0, reduce_stats, seed_everything, setup_distributed
 from common.evaluate import eval_name, evaluate
@@ -271,6 +272,7 @@ def main(args: Args) -> None:
     seed_everything(args.seed)
     run_dir = args.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}")
     ckpt_root = os.path.join(run_dir, "checkpoints")
+    check_shared_dir(run_dir, device)  # every rank writes its shards into the checkpoints: fail now, not at a save
 
     # --- data
     model_path, dataset, eval_paths = args.model, args.dataset, list(args.eval_dataset)

@@ -3,12 +3,16 @@
 fp32 master weights and optimizer states; compute in the train precision (MixedPrecisionPolicy.param_dtype);
 gradients reduced in fp32. `fully_shard` per decoder layer, then the root, on any number of ranks including 1.
 """
+import json
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from common.logprobs import PolicyModel
 
@@ -48,14 +52,21 @@ def without_dropout(config) -> dict:
 
 def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool,
                  attn_implementation: str = "sdpa") -> nn.Module:
-    """Load a Hugging Face causal LM's fp32 master weights, wrap it (`wrap(lm)` -> the root module, e.g. PolicyModel),
-    and shard with FSDP2: each decoder layer, then the root, which so owns the embedding, the final norm and the
-    lm_head (kept together: they may be tied) and whatever the wrapper adds. Dropout is off (without_dropout), also
-    in the config that checkpoints save."""
+    """Build a Hugging Face causal LM with fp32 master weights, wrap it (`wrap(lm)` -> the root module, e.g.
+    PolicyModel), and shard with FSDP2: each decoder layer, then the root, which so owns the embedding, the final norm
+    and the lm_head (kept together: they may be tied) and whatever the wrapper adds. Dropout is off (without_dropout),
+    also in the config that checkpoints save.
+
+    The full model never exists on any rank: its parameters are built on the meta device, sharded, and each rank then
+    reads only its own rows of every tensor from the safetensors files (an fp32 7B model is 30 GB; eight ranks each
+    loading all of it needed 240 GB of host memory). What the files do not hold (buffers such as rotary frequencies,
+    parameters the wrapper adds such as a value head) is built for real on every rank, as it is small."""
     config = AutoConfig.from_pretrained(path)
     without_dropout(config)
-    lm = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
-                                              attn_implementation=attn_implementation)
+    with _parameters_on_meta():
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        lm.generation_config = GenerationConfig.from_pretrained(path)
     for m in lm.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0  # (an nn.Dropout whose rate a config field did not set)
@@ -65,12 +76,80 @@ def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device
         else:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lm.config.use_cache = False
-    model = wrap(lm).to(device)
+    model = wrap(lm)
+    prefix = next(n for n, m in model.named_children() if m is lm) + "."
+    built = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta}
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in decoder_layers(lm):
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+    model.to_empty(device=device)  # this rank's shards, uninitialised; buffers too
+    with torch.no_grad():
+        for name, t in model.named_buffers():
+            t.copy_(built[name])
+        from_files = {n[len(prefix):]: p for n, p in model.named_parameters() if n not in built}
+        read_shards(path, from_files)
+        for name, p in model.named_parameters():
+            if name in built:
+                local, offset = _local_rows(p)
+                local.copy_(built[name][offset:offset + local.shape[0]])
     return model
+
+
+@contextmanager
+def _parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory; their init does nothing) and their
+    buffers for real (rotary frequencies are computed from the config and are in no checkpoint)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(this rank's rows of a parameter, the index of its first row in the full tensor): FSDP2 shards dim 0."""
+    if not hasattr(p, "to_local"):
+        return p.data, 0
+    if any(not (pl.is_shard(0) or pl.is_replicate()) for pl in p.placements):
+        raise ValueError(f"unexpected placements {p.placements} (FSDP2 shards dim 0)")
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return p.to_local(), (offset[0] if len(offset) else 0)
+
+
+@torch.no_grad()
+def read_shards(path: str, params: dict[str, torch.Tensor]) -> None:
+    """Fill each (sharded) parameter, by Hugging Face name, with its rows read from the model directory's safetensors
+    files: only those rows are read (safetensors slices), in the file's dtype, then cast into the fp32 shard."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json (safetensors weights "
+                                "are needed to load each rank's shard alone)")
+    missing = sorted(n for n in params if n not in weight_map)
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} parameters of the model are not in its weights, e.g. {missing[:3]}")
+    for name, p in params.items():
+        # opened per tensor: the file is memory-mapped, and the pages a slice touched stay resident until it closes
+        with safe_open(os.path.join(path, weight_map[name]), "pt") as f:
+            rows = f.get_slice(name)
+            if tuple(rows.get_shape()) != tuple(p.shape):
+                raise ValueError(f"{path}: {name} has shape {tuple(rows.get_shape())} in the file, {tuple(p.shape)} "
+                                 "in the model")
+            local, offset = _local_rows(p)
+            if local.numel():
+                local.copy_(rows[offset:offset + local.shape[0]])
 
 
 def load_policy(path: str, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool,
@@ -81,6 +160,13 @@ def load_policy(path: str, param_dtype: torch.dtype, device: torch.device, gradi
             raise ValueError("lm_head with a bias is not supported by the chunked log-prob head")
         return PolicyModel(lm)
     return load_sharded(path, wrap, param_dtype, device, gradient_checkpointing, attn_implementation)
+
+
+def full_state_names(lm: nn.Module) -> list[tuple[str, tuple, torch.dtype]]:
+    """(Hugging Face name, full shape, dtype) of what iter_full_state yields with dtype float32, in its order."""
+    aliases = {n for n, _ in lm.named_parameters(remove_duplicate=False)} - {n for n, _ in lm.named_parameters()}
+    return [(n, tuple(t.shape), torch.float32 if t.is_floating_point() else t.dtype)
+            for n, t in lm.state_dict().items() if n not in aliases]
 
 
 @torch.no_grad()

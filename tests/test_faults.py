@@ -189,12 +189,12 @@ KILLED_SAVE = textwrap.dedent("""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tok = AutoTokenizer.from_pretrained(model_dir)
     ck.save_checkpoint(root, 1, model, model.lm, tok, opt, {"scaler": {}}, ck.rng_state(), keep_last=1)
-    save_file = ck.save_file
+    write_safetensors = ck.write_safetensors
     def save_and_hang(*args, **kwargs):  # the weights are on disk, the rest is not: now the kill comes
-        save_file(*args, **kwargs)
+        write_safetensors(*args, **kwargs)
         print("WRITING", flush=True)
         time.sleep(600)
-    ck.save_file = save_and_hang
+    ck.write_safetensors = save_and_hang
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
