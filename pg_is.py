@@ -47,7 +47,8 @@ from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
 from common.logprobs import collate, pad_float, split_microbatches
 from common.metrics import MismatchMonitor, mismatch_metrics, mismatch_stats
-from common.precision import DTYPES, LossScaler, TrainingFault, resolve_precisions
+from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
+                              resolve_precisions)
 from common.rewards import score_rollout
 from common.sampler import make_sampler, resolve_sampler
 
@@ -351,6 +352,10 @@ def main(args: Args) -> None:
                         {"scaler": scaler.state_dict(), "kl_monitor": monitor.state_dict()},
                         rng_state(getattr(sampler, "generator", None)), args.keep_last)
 
+    # before any step: do the forward's activations fit the train and rollout precisions? (a clear error now, rather
+    # than steps skipped for fp16 overflows or rollouts sampled from NaN)
+    check_forward_range(model, model.lm, [p["prompt_ids"] for p in batch_problems(start_step)], pad_id, device,
+                        train_prec, rollout_prec, args.logprob_chunk)
     step = start_step
     if start_step == 0 and args.eval_every:
         run_eval(0)  # the starting point
@@ -396,6 +401,7 @@ def main(args: Args) -> None:
         T = max(1, max(resp_lens))
         rmask_all = torch.arange(T)[None] < torch.tensor(resp_lens)[:, None]
         old_all, mu_all = pad_float(old_logp, T, "cpu"), pad_float(rollout.logprobs, T, "cpu")
+        check_finite_logprobs(step, rmask_all, device, train_prec, rollout_prec, old_logp=old_all, mu_logp=mu_all)
         sums, maxes, mins = mismatch_stats(old_all, mu_all, rmask_all, args.is_threshold,
                                            seq_ratio=True)  # PG-Seq-IS: is/ratio_* are sequence ratios
         sums.update(reward=rewards_B.sum().item(), reward_failures=float(reward_failures), entropy=entropy_sum,
