@@ -69,7 +69,7 @@ def save_checkpoint(ckpt_root: str, step: int, model: torch.nn.Module, lm: torch
     # the weights, fp32, gathered one tensor at a time and written by rank 0 as they come (a tied lm_head is stored
     # once, as the embedding: what from_pretrained and vLLM expect)
     entries = full_state_names(lm)
-    tensors = iter_full_state(lm, torch.float32, torch.device("cpu"))
+    tensors = iter_full_state(lm, torch.float32, torch.device("cpu"), aliases=False)
     if rank == 0:
         write_safetensors(os.path.join(tmp, "model.safetensors"), entries, tensors)
         lm.config.save_pretrained(tmp)

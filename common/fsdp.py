@@ -162,26 +162,41 @@ def load_policy(path: str, param_dtype: torch.dtype, device: torch.device, gradi
     return load_sharded(path, wrap, param_dtype, device, gradient_checkpointing, attn_implementation)
 
 
+def tied_aliases(lm: nn.Module) -> dict[str, list[str]]:
+    """{name of a parameter: the other names it is held under} (a tied lm_head: {embed_tokens.weight: [lm_head.weight]})."""
+    names = {}
+    for name, p in lm.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {ns[0]: ns[1:] for ns in names.values() if len(ns) > 1}
+
+
 def full_state_names(lm: nn.Module) -> list[tuple[str, tuple, torch.dtype]]:
-    """(Hugging Face name, full shape, dtype) of what iter_full_state yields with dtype float32, in its order."""
-    aliases = {n for n, _ in lm.named_parameters(remove_duplicate=False)} - {n for n, _ in lm.named_parameters()}
+    """(Hugging Face name, full shape, dtype) of what iter_full_state(lm, float32, aliases=False) yields, in order."""
+    aliases = {a for names in tied_aliases(lm).values() for a in names}
     return [(n, tuple(t.shape), torch.float32 if t.is_floating_point() else t.dtype)
             for n, t in lm.state_dict().items() if n not in aliases]
 
 
 @torch.no_grad()
-def iter_full_state(lm: nn.Module, dtype: torch.dtype | None = None, device: torch.device | None = None):
+def iter_full_state(lm: nn.Module, dtype: torch.dtype | None = None, device: torch.device | None = None,
+                    aliases: bool = True):
     """Yield (Hugging Face name, full tensor) one parameter at a time: each sharded tensor is all-gathered on its own,
     so at most one full tensor beyond the shards is alive. Each shard is cast to `dtype` before the gather (a 16-bit
     rollout precision moves half the bytes of the fp32 masters), and a tensor held under two names (a tied embedding
-    and lm_head) is sent once, under its first name (the samplers, like from_pretrained, tie it themselves).
-    A collective: every rank must iterate to the end."""
-    aliases = {n for n, _ in lm.named_parameters(remove_duplicate=False)} - {n for n, _ in lm.named_parameters()}
+    and lm_head) is gathered once, then yielded under each of its names in turn (vLLM wants both), or, with
+    aliases=False, under its first name only (as a checkpoint stores it). A collective: every rank must iterate to
+    the end."""
+    tied = tied_aliases(lm)
+    skip = {a for names in tied.values() for a in names}
     for name, t in lm.state_dict().items():
-        if name in aliases:
+        if name in skip:
             continue
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)  # a DTensor casts its local shard
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
-        yield name, (t.to(device) if device is not None else t)
+        t = t.to(device) if device is not None else t
+        yield name, t
+        if aliases:
+            for alias in tied.get(name, []):
+                yield alias, t

@@ -45,10 +45,11 @@ def torchrun(nproc, check, path, out):
 
 def test_weight_sync_gathers_each_tensor_once_in_the_rollout_precision(tmp_path):
     """2 ranks, a tied model, a bf16 rollout: each rank puts its bf16 shard of every distinct tensor into the
-    all-gathers (the fp32 masters, and the tied embedding under both names, once moved 2.x times the bytes)."""
+    all-gathers (the fp32 masters, and the tied embedding under both names, once moved 2.x times the bytes). The
+    tied tensor is still sent under both names (vLLM's CPU engine keeps its own lm_head copy)."""
     path = make_tiny_model_dir(str(tmp_path / "m"))
     for r in torchrun(2, "sync_bytes", path, str(tmp_path / "out")):
-        assert "lm_head.weight" not in r["names"] and "model.embed_tokens.weight" in r["names"]
+        assert "lm_head.weight" in r["names"] and "model.embed_tokens.weight" in r["names"]
         assert r["bytes"] <= 1.05 * r["bf16_shard_bytes"], r  # (shards are padded to equal sizes)
 
 
@@ -59,7 +60,7 @@ def test_sharded_load_equals_from_pretrained(tmp_path, nproc, tie):
     path = make_tiny_model_dir(str(tmp_path / "m"), tie=tie)
     for r in torchrun(nproc, "load", path, str(tmp_path / "out")):
         assert r["equal"] and r["tied"] == tie
-        assert r["names"] == [n for n in r["ref_names"] if not (tie and n == "lm_head.weight")]
+        assert r["names"] == r["ref_names"]  # a tied lm_head under its own name too
 
 
 def test_load_peak_host_memory_is_about_a_shard(tmp_path):
