@@ -12,8 +12,10 @@ metrics (mu against pi_old) and policy/approx_kl do.
 Metrics that differ from grpo.py: is/ratio_mean, is/ratio_max are over the sequence ratios rho_i that the loss used
 (current policy over mu, computed in each sequence's mini-batch); is/seq_mask_frac is the fraction of those above C
 (what tis truncates and mis masks; with is, only reported); is/weight_mean (new) is the mean weight the loss applied
-(rho, min(rho, C) or rho * 1{rho <= C}). is/token_clip_frac keeps grpo.py's meaning (token ratios pi_old/mu above C:
-a diagnostic, PG-Seq-IS corrects no token). policy/clip_frac is not logged: there is no clip.
+(rho, min(rho, C) or rho * 1{rho <= C}); is/log_rho_clamp_frac (new) is the fraction of sequences whose log rho
+exceeded LOG_RHO_MAX = 20 (rho and is/ratio_* are capped at e^20 there). is/token_clip_frac keeps grpo.py's meaning
+(token ratios pi_old/mu above C: a diagnostic, PG-Seq-IS corrects no token). policy/clip_frac is not logged: there
+is no clip.
 
     python pg_is.py                                  # the built-in task: a tiny model learns addition, no downloads
     python pg_is.py --precision bf16                 # the same in BF16, to see the mismatch grow
@@ -38,7 +40,8 @@ import torch
 import tyro
 from transformers import AutoTokenizer
 
-from common.checkpoint import find_resume_dir, load_training_state, rng_state, save_checkpoint, set_rng_state
+from common.checkpoint import (check_shared_dir, find_resume_dir, load_training_state, rng_state, save_checkpoint,
+                               set_rng_state)
 from common.data import encode_problems, load_problems
 from common.dist import cleanup_distributed, phase_memory, print0, reduce_stats, seed_everything, setup_distributed
 from common.evaluate import eval_name, evaluate
@@ -46,7 +49,8 @@ from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
 from common.logprobs import collate, pad_float, split_microbatches
 from common.metrics import MismatchMonitor, mismatch_metrics, mismatch_stats
-from common.precision import DTYPES, LossScaler, TrainingFault, resolve_precisions
+from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
+                              resolve_precisions)
 from common.rewards import check_reward, score_rollout
 from common.sampler import make_sampler, resolve_sampler
 
@@ -59,7 +63,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the run (the run directory and wandb run are named after it)"""
     seed: int = 1
-    """seed of the initial weights' randomness, the data order and (plus the rank) the sampling streams"""
+    """seed of the initial weights' randomness, the data order and (with the rank) the sampling streams"""
     run_dir: str | None = None
     """where metrics.jsonl, config.json and checkpoints/ go (default: runs/<exp_name>_<seed>)"""
     track: bool = False
@@ -191,16 +195,21 @@ def drgrpo_advantages(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
     return (r_GN - r_GN.mean(-1, keepdim=True)).view(-1)
 
 
+# PG-Seq-IS: the largest log rho used, as verl clamps its log-ratios at 20 before exp. exp(log rho) overflows fp32
+# past 88.7, and inf * (A = 0) made the loss NaN (a run in bf16/fp32 then stops). rho is exact up to e^20 = 4.9e8;
+# beyond, --is-mode is uses e^20 (is/log_rho_clamp_frac counts those sequences). tis and mis never reach it.
+LOG_RHO_MAX = 20.0
+
+
 @torch.no_grad()
 def seq_importance_weights(logp_BT, mu_logp_BT, mask_BT, is_mode: str, threshold: float):
     """PG-Seq-IS's sequence weights, constants (arXiv 2510.26788 eq. 5): rho_i = exp(sum_t m_it (logp - mu_logp)),
-    logp the current policy's (detached here). is: w_i = rho_i; tis: min(rho_i, C); mis: rho_i * 1{rho_i <= C}.
-    Computed in log space: tis and mis never overflow (a masked rho that would be inf gives 0, not nan); with is an
-    overflowing rho is inf, the step's gradient norm is then not finite and LossScaler.step skips the step.
-    Returns (w_B, log_rho_B)."""
+    logp the current policy's (detached here). is: w_i = rho_i, with log rho_i capped at LOG_RHO_MAX; tis:
+    min(rho_i, C); mis: rho_i * 1{rho_i <= C}. Computed in log space, so no mode overflows (a masked rho that would
+    be inf gives 0, not nan). Returns (w_B, log_rho_B), log_rho_B uncapped."""
     log_rho_B = ((logp_BT - mu_logp_BT) * mask_BT).sum(-1)
     if is_mode == "is":
-        return torch.exp(log_rho_B), log_rho_B
+        return torch.exp(log_rho_B.clamp(max=LOG_RHO_MAX)), log_rho_B
     if is_mode == "tis":
         return torch.exp(log_rho_B.clamp(max=np.log(threshold))), log_rho_B
     if is_mode == "mis":
@@ -225,8 +234,11 @@ def policy_loss(logp_BT, old_logp_BT, mu_logp_BT, adv_B, mask_BT, is_mode: str, 
         log_ratio_BT = logp_BT - old_logp_BT
         stats = {"approx_kl": ((torch.expm1(log_ratio_BT) - log_ratio_BT) * m).sum().item(),  # k3 of KL(old||theta)
                  "tokens": m.sum().item(), "seqs": float(len(w_B)), "weight": w_B.sum().item(),
-                 "rho": torch.exp(log_rho_B).sum().item(), "rho_max": torch.exp(log_rho_B).max().item(),
-                 "rho_over": (log_rho_B > np.log(threshold)).sum().item()}
+                 # the ratios reported are capped as --is-mode is caps them (an inf would make their mean useless)
+                 "rho": torch.exp(log_rho_B.clamp(max=LOG_RHO_MAX)).sum().item(),
+                 "rho_max": torch.exp(log_rho_B.clamp(max=LOG_RHO_MAX)).max().item(),
+                 "rho_over": (log_rho_B > np.log(threshold)).sum().item(),
+                 "rho_clamped": (log_rho_B > LOG_RHO_MAX).sum().item()}
     return loss, stats
 
 
@@ -271,6 +283,7 @@ def main(args: Args) -> None:
     seed_everything(args.seed)
     run_dir = args.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}")
     ckpt_root = os.path.join(run_dir, "checkpoints")
+    check_shared_dir(run_dir, device)  # every rank writes its shards into the checkpoints: fail now, not at a save
 
     # --- data
     model_path, dataset, eval_paths = args.model, args.dataset, list(args.eval_dataset)
@@ -303,7 +316,7 @@ def main(args: Args) -> None:
                            args.vllm_gpu_memory_utilization, args.vllm_sleep_level, args.vllm_kv_cache_gib)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     print0(f"[setup] {world_size} rank(s) on {device.type}; train {train_prec}, rollout {rollout_prec}; "
-           f"{sum(p.numel() for p in params) * world_size / 1e6:.1f}M parameters (approx.)")
+           f"{sum(p.numel() for p in params) / 1e6:.1f}M parameters")  # a DTensor's numel is the full size
 
     start_step = 0
     if resume_dir:
@@ -349,6 +362,10 @@ def main(args: Args) -> None:
                         {"scaler": scaler.state_dict(), "kl_monitor": monitor.state_dict()},
                         rng_state(getattr(sampler, "generator", None)), args.keep_last)
 
+    # before any step: do the forward's activations fit the train and rollout precisions? (a clear error now, rather
+    # than steps skipped for fp16 overflows or rollouts sampled from NaN)
+    check_forward_range(model, model.lm, [p["prompt_ids"] for p in batch_problems(start_step)], pad_id, device,
+                        train_prec, rollout_prec, args.logprob_chunk)
     step = start_step
     if start_step == 0 and args.eval_every:
         run_eval(0)  # the starting point
@@ -394,6 +411,7 @@ def main(args: Args) -> None:
         T = max(1, max(resp_lens))
         rmask_all = torch.arange(T)[None] < torch.tensor(resp_lens)[:, None]
         old_all, mu_all = pad_float(old_logp, T, "cpu"), pad_float(rollout.logprobs, T, "cpu")
+        check_finite_logprobs(step, rmask_all, device, train_prec, rollout_prec, old_logp=old_all, mu_logp=mu_all)
         sums, maxes, mins = mismatch_stats(old_all, mu_all, rmask_all, args.is_threshold,
                                            seq_ratio=True)  # PG-Seq-IS: is/ratio_* are sequence ratios
         sums.update(reward=rewards_B.sum().item(), reward_failures=float(reward_failures), entropy=entropy_sum,
@@ -409,7 +427,8 @@ def main(args: Args) -> None:
         seqs_per_mb = len(seq_lens) // args.num_minibatches
         num_seqs_global = seqs_per_mb * world_size  # N_seq of the constant normalizer: all ranks, all micro-batches
         loss_sum, pol = 0.0, {"approx_kl": 0.0, "tokens": 0.0,
-                              "seqs": 0.0, "weight": 0.0, "rho": 0.0, "rho_over": 0.0}  # PG-Seq-IS: the rho used
+                              "seqs": 0.0, "weight": 0.0, "rho": 0.0, "rho_over": 0.0,
+                              "rho_clamped": 0.0}  # PG-Seq-IS: the rho used
         rho_max = 0.0
         grad_norms, skipped = [], 0
         for k in range(args.num_minibatches):
@@ -446,7 +465,8 @@ def main(args: Args) -> None:
 
         # --- 7. log
         sums.update(loss=loss_sum, approx_kl=pol["approx_kl"], policy_tokens=pol["tokens"],
-                    rho=pol["rho"], rho_over=pol["rho_over"], is_weight=pol["weight"], policy_seqs=pol["seqs"])
+                    rho=pol["rho"], rho_over=pol["rho_over"], rho_clamped=pol["rho_clamped"], is_weight=pol["weight"],
+                    policy_seqs=pol["seqs"])
         maxes["rho"] = rho_max  # PG-Seq-IS
         g, g_max, g_min = (reduce_stats(d, op, device) for d, op in ((sums, "sum"), (maxes, "max"), (mins, "min")))
         n_seqs, n_groups, n_tok = g["n_seqs"], g["n_seqs"] / args.group_size, max(g["n_tokens"], 1.0)
@@ -461,6 +481,7 @@ def main(args: Args) -> None:
             "is/ratio_mean": g["rho"] / max(g["policy_seqs"], 1.0), "is/ratio_max": g_max["rho"],
             "is/seq_mask_frac": g["rho_over"] / max(g["policy_seqs"], 1.0),
             "is/weight_mean": g["is_weight"] / max(g["policy_seqs"], 1.0),
+            "is/log_rho_clamp_frac": g["rho_clamped"] / max(g["policy_seqs"], 1.0),  # log rho > LOG_RHO_MAX
             # PG-Seq-IS: no policy/clip_frac (no clip)
             "policy/approx_kl": g["approx_kl"] / max(g["policy_tokens"], 1.0),
             "optim/grad_norm": float(np.mean([n for n in grad_norms if np.isfinite(n)] or [float("nan")])),

@@ -45,7 +45,8 @@ import torch
 import tyro
 from transformers import AutoTokenizer
 
-from common.checkpoint import find_resume_dir, load_training_state, rng_state, save_checkpoint, set_rng_state
+from common.checkpoint import (check_shared_dir, find_resume_dir, load_training_state, rng_state, save_checkpoint,
+                               set_rng_state)
 from common.critic import load_critic, value_head_state  # PPO: the value model
 from common.data import encode_problems, load_problems
 from common.dist import (all_reduce, cleanup_distributed, phase_memory, print0, reduce_stats, seed_everything,
@@ -55,7 +56,8 @@ from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
 from common.logprobs import collate, pad_float, split_microbatches
 from common.metrics import MismatchMonitor, mismatch_metrics, mismatch_stats
-from common.precision import DTYPES, LossScaler, TrainingFault, resolve_precisions
+from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
+                              resolve_precisions)
 from common.rewards import check_reward, score_rollout
 from common.sampler import make_sampler, resolve_sampler
 
@@ -68,7 +70,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the run (the run directory and wandb run are named after it)"""
     seed: int = 1
-    """seed of the initial weights' randomness, the data order and (plus the rank) the sampling streams"""
+    """seed of the initial weights' randomness, the data order and (with the rank) the sampling streams"""
     run_dir: str | None = None
     """where metrics.jsonl, config.json and checkpoints/ go (default: runs/<exp_name>_<seed>)"""
     track: bool = False
@@ -337,6 +339,7 @@ def main(args: Args) -> None:
     seed_everything(args.seed)
     run_dir = args.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}")
     ckpt_root = os.path.join(run_dir, "checkpoints")
+    check_shared_dir(run_dir, device)  # every rank writes its shards into the checkpoints: fail now, not at a save
     critic_root = os.path.join(run_dir, "critic_checkpoints")  # PPO: the critic's checkpoints, same step names
 
     # --- data
@@ -382,7 +385,7 @@ def main(args: Args) -> None:
                            args.vllm_gpu_memory_utilization, args.vllm_sleep_level, args.vllm_kv_cache_gib)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     print0(f"[setup] {world_size} rank(s) on {device.type}; train {train_prec}, rollout {rollout_prec}; "
-           f"{sum(p.numel() for p in params) * world_size / 1e6:.1f}M parameters (approx.)")
+           f"{sum(p.numel() for p in params) / 1e6:.1f}M parameters")  # a DTensor's numel is the full size
 
     start_step = 0
     if resume_dir:
@@ -435,6 +438,10 @@ def main(args: Args) -> None:
                         {"scaler": scaler.state_dict(), "kl_monitor": monitor.state_dict()},
                         rng_state(getattr(sampler, "generator", None)), args.keep_last)
 
+    # before any step: do the forward's activations fit the train and rollout precisions? (a clear error now, rather
+    # than steps skipped for fp16 overflows or rollouts sampled from NaN)
+    check_forward_range(model, model.lm, [p["prompt_ids"] for p in batch_problems(start_step)], pad_id, device,
+                        train_prec, rollout_prec, args.logprob_chunk)
     step = start_step
     if start_step == 0 and args.eval_every:
         run_eval(0)  # the starting point
@@ -483,6 +490,7 @@ def main(args: Args) -> None:
         T = max(1, max(resp_lens))
         rmask_all = torch.arange(T)[None] < torch.tensor(resp_lens)[:, None]
         old_all, mu_all = pad_float(old_logp, T, "cpu"), pad_float(rollout.logprobs, T, "cpu")
+        check_finite_logprobs(step, rmask_all, device, train_prec, rollout_prec, old_logp=old_all, mu_logp=mu_all)
         sums, maxes, mins = mismatch_stats(old_all, mu_all, rmask_all, args.is_threshold,
                                            seq_ratio=args.is_correction == "seq-mis")
         sums.update(reward=rewards_B.sum().item(), reward_failures=float(reward_failures), entropy=entropy_sum,

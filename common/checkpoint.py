@@ -1,6 +1,15 @@
-"""Checkpoints: a Hugging Face model directory (config, generation config, tokenizer, model.safetensors) that
-`from_pretrained` and vLLM load, plus what resuming needs: optimizer.pt (full, fp32), trainer_state.json (step,
-loss scaler, ...) and rng_rank{r}.pt (each rank's RNG streams, the sampler's among them).
+"""Checkpoints, written by every rank and readable by any number of ranks:
+  - a Hugging Face model directory (config, generation config, tokenizer, model.safetensors with the fp32 weights)
+    that `from_pretrained` and vLLM load. Rank 0 writes model.safetensors one tensor at a time as each is gathered,
+    so no rank ever holds the full model;
+  - optimizer/: the AdamW state as torch.distributed.checkpoint (DCP) shards, each rank writing its own, so the state
+    (twice the fp32 weights: 61 GB at 7B) never funnels through one rank. DCP reshards on load: a run saved on 8
+    ranks resumes on 4 (the weights come from model.safetensors, each rank reading only its rows);
+  - trainer_state.json (step, loss scaler, ...) and rng_rank{r}.pt (each rank's RNG streams, the sampler's among
+    them). Resumed on other ranks, rank r takes rng_rank{r}.pt where there is one (sampling streams then differ from
+    an uninterrupted run, as they would on any other number of ranks).
+Every rank writes into the same directory: the run directory must be on a filesystem every node sees
+(check_shared_dir says so at the start of a run, not at the first save).
 
 A checkpoint is written to `<name>.tmp` and renamed into place only when complete, so a run killed mid-save keeps
 its previous checkpoint. Directories are `step_000123`; the newest complete one is what `--resume latest` takes.
@@ -9,16 +18,18 @@ import json
 import os
 import random
 import re
+import secrets
 import shutil
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+from common.dist import reduce_stats
+from common.fsdp import full_state_names, iter_full_state
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -50,25 +61,26 @@ def save_checkpoint(ckpt_root: str, step: int, model: torch.nn.Module, lm: torch
     tmp = final + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
     dist.barrier()
-    model_sd = get_model_state_dict(model, options=FULL)  # full tensors on rank 0's CPU, empty elsewhere
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=FULL) if optimizer is not None else None
+    os.makedirs(tmp, exist_ok=True)  # by every rank: none writes into a directory it has not seen made
     torch.save(rank_state, os.path.join(tmp, f"rng_rank{rank}.pt"))
+    if optimizer is not None:  # each rank writes its shard of the AdamW state
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(tmp, "optimizer"))
+    # the weights, fp32, gathered one tensor at a time and written by rank 0 as they come (a tied lm_head is stored
+    # once, as the embedding: what from_pretrained and vLLM expect)
+    entries = full_state_names(lm)
+    tensors = iter_full_state(lm, torch.float32, torch.device("cpu"), aliases=False)
     if rank == 0:
-        prefix = next(n for n, m in model.named_children() if m is lm) + "."
-        sd = {k[len(prefix):]: v.contiguous() for k, v in model_sd.items() if k.startswith(prefix)}
-        if getattr(lm.config, "tie_word_embeddings", False):
-            sd.pop("lm_head.weight", None)  # stored once, as the embedding (what from_pretrained and vLLM expect)
-        save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(os.path.join(tmp, "model.safetensors"), entries, tensors)
         lm.config.save_pretrained(tmp)
         if lm.generation_config is not None:
             lm.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if optim_sd is not None:
-            torch.save(optim_sd, os.path.join(tmp, "optimizer.pt"))
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump({"step": step, **trainer_state}, f, indent=2)
+    else:
+        for _ in tensors:  # the gathers are collectives
+            pass
     dist.barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -78,6 +90,57 @@ def save_checkpoint(ckpt_root: str, step: int, model: torch.nn.Module, lm: torch
                 shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def write_safetensors(path: str, entries: list[tuple[str, tuple, torch.dtype]], tensors) -> None:
+    """A safetensors file written one tensor at a time: the header (names, dtypes, shapes, byte offsets) first, from
+    `entries`, then each tensor of the iterator `tensors` ((name, tensor) in the same order) as it comes."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, dtype in entries:
+        size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for (name, shape, dtype), (got, t) in zip(entries, tensors, strict=True):
+            if got != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise RuntimeError(f"write_safetensors: expected {name} {shape} {dtype}, got {got} {tuple(t.shape)} {t.dtype}")
+            f.write(t.contiguous().view(torch.uint8).numpy().data)
+
+
+def check_shared_dir(path: str, device) -> None:
+    """Collective. Checkpoints put every rank's files into one directory and resuming (on any number of ranks) reads
+    all of them, so `path` must be on a filesystem that every rank sees. Raises ValueError, on every rank, when one
+    does not see a file rank 0 has just written there (e.g. a node-local run directory on a multi-node run)."""
+    if dist.get_world_size() == 1:
+        return
+    token = [secrets.token_hex(8) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    probe = os.path.join(path, f".shared_check_{token[0]}")
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write(token[0])
+    dist.barrier()
+    try:
+        with open(probe) as f:
+            seen = f.read() == token[0]
+    except OSError:
+        seen = False
+    blind = reduce_stats({"blind": float(not seen)}, "sum", device)["blind"]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(probe)
+    if blind:
+        raise ValueError(f"the run directory {path!r} is not on a filesystem every rank sees ({int(blind)} of "
+                         f"{dist.get_world_size()} ranks do not see rank 0's files): checkpoints are written by "
+                         "every rank into one directory, so give --run-dir on a shared filesystem")
 
 
 def list_checkpoints(ckpt_root: str) -> list[str]:
@@ -101,13 +164,14 @@ def find_resume_dir(resume: str, ckpt_root: str) -> str:
 
 
 def load_training_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
-    """Optimizer state (read on rank 0, broadcast), trainer_state.json and this rank's RNG state. The weights come
-    from loading `path` as the model directory."""
+    """Optimizer state (each rank reads the parts of the DCP shards it now holds: any number of ranks),
+    trainer_state.json and this rank's RNG state (empty when the checkpoint was written by fewer ranks). The weights
+    come from loading `path` as the model directory."""
     rank = dist.get_rank()
     if optimizer is not None:
-        optim_sd = torch.load(os.path.join(path, "optimizer.pt"), weights_only=False) if rank == 0 else {}
-        set_optimizer_state_dict(model, optimizer, optim_sd,
-                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # the layout this run holds (zeros)
+        dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
     with open(os.path.join(path, "trainer_state.json")) as f:
         trainer_state = json.load(f)
     rng_file = os.path.join(path, f"rng_rank{rank}.pt")

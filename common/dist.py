@@ -52,10 +52,17 @@ def print0(*args, **kwargs) -> None:
 
 def seed_everything(seed: int) -> None:
     """The same seed on every rank, so that every rank builds the same initial weights (e.g. a value head).
-    Sampling streams differ per rank: the samplers take `seed + rank` for their own generators."""
+    Sampling streams differ per rank: the samplers take stream_seed(seed, rank) for their own generators."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def stream_seed(seed: int, stream: int) -> int:
+    """The seed of random stream `stream` (a rank) of a run seeded `seed`: a numpy SeedSequence of the pair, so that
+    streams of runs with different seeds never coincide (with `seed + rank`, rank 1 of seed 1 drew what rank 0 of
+    seed 2 drew)."""
+    return int(np.random.SeedSequence([seed, stream]).generate_state(1)[0])  # 32 bits: what every consumer takes
 
 
 def all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -1,5 +1,9 @@
 """Evaluation: avg@k accuracy on each --eval-dataset file, with its own sampling settings (the study's: temperature
-0.6, top_p 0.95). Each rank samples its share of the problems; counts are summed over ranks."""
+0.6, top_p 0.95). Each rank samples its share of the problems; counts are summed over ranks.
+
+Every rank calls `generate`, also with an empty share (30 problems on 32 ranks): the samplers' generate may be a
+collective (vLLM with --vllm-tp > 1 gathers the prompts of its tensor-parallel group), and a rank that skipped it
+would leave the others of its group waiting forever."""
 import os
 
 from common.dist import reduce_stats
@@ -12,12 +16,10 @@ def evaluate(sampler, tokenizer, eval_sets: dict[str, list[dict]], k: int, tempe
     metrics = {}
     for name, problems in eval_sets.items():
         mine = problems[rank::world_size]
-        correct = 0.0
-        if mine:
-            out = sampler.generate([p["prompt_ids"] for p in mine], k, max_new_tokens, temperature, top_p)
-            texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
-            answers = [p["answer"] for p in mine for _ in range(k)]
-            correct = sum(score_responses(texts, answers, out.finished, reward))
+        out = sampler.generate([p["prompt_ids"] for p in mine], k, max_new_tokens, temperature, top_p)  # even if []
+        texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True) if mine else []
+        answers = [p["answer"] for p in mine for _ in range(k)]
+        correct = float(sum(score_responses(texts, answers, out.finished, reward))) if mine else 0.0
         s = reduce_stats({"correct": correct, "n": len(mine) * k}, "sum", device)
         metrics[f"eval/{name}/accuracy"] = s["correct"] / max(s["n"], 1.0)
     return metrics

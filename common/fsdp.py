@@ -3,12 +3,16 @@
 fp32 master weights and optimizer states; compute in the train precision (MixedPrecisionPolicy.param_dtype);
 gradients reduced in fp32. `fully_shard` per decoder layer, then the root, on any number of ranks including 1.
 """
+import json
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from common.logprobs import PolicyModel
 
@@ -31,24 +35,121 @@ def decoder_layers(lm: nn.Module) -> nn.ModuleList:
     return base.layers
 
 
+def without_dropout(config) -> dict:
+    """Set every dropout rate of a Hugging Face config to 0 (attention_dropout, hidden_dropout, resid_pdrop, ...,
+    also in nested configs) and return the ones changed. The trainer's forwards run in train mode (gradient
+    checkpointing acts only there), so a checkpoint that sets a dropout rate would otherwise make old_logp and logp
+    random draws (differences of several nats) rather than the policy's log-probs. The sampler never drops out."""
+    changed = {}
+    for key, value in list(vars(config).items()):
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a nested config (e.g. text_config)
+            changed.update({f"{key}.{k}": v for k, v in without_dropout(value).items()})
+        elif ("dropout" in key or "pdrop" in key) and type(value) in (int, float) and value != 0:
+            changed[key] = value
+            setattr(config, key, 0.0)
+    return changed
+
+
 def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool,
                  attn_implementation: str = "sdpa") -> nn.Module:
-    """Load a Hugging Face causal LM's fp32 master weights, wrap it (`wrap(lm)` -> the root module, e.g. PolicyModel),
-    and shard with FSDP2: each decoder layer, then the root, which so owns the embedding, the final norm and the
-    lm_head (kept together: they may be tied) and whatever the wrapper adds."""
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    """Build a Hugging Face causal LM with fp32 master weights, wrap it (`wrap(lm)` -> the root module, e.g.
+    PolicyModel), and shard with FSDP2: each decoder layer, then the root, which so owns the embedding, the final norm
+    and the lm_head (kept together: they may be tied) and whatever the wrapper adds. Dropout is off (without_dropout),
+    also in the config that checkpoints save.
+
+    The full model never exists on any rank: its parameters are built on the meta device, sharded, and each rank then
+    reads only its own rows of every tensor from the safetensors files (an fp32 7B model is 30 GB; eight ranks each
+    loading all of it needed 240 GB of host memory). What the files do not hold (buffers such as rotary frequencies,
+    parameters the wrapper adds such as a value head) is built for real on every rank, as it is small."""
+    config = AutoConfig.from_pretrained(path)
+    without_dropout(config)
+    with _parameters_on_meta():
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        lm.generation_config = GenerationConfig.from_pretrained(path)
+    for m in lm.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0  # (an nn.Dropout whose rate a config field did not set)
     if gradient_checkpointing:
         if hasattr(lm, "activation_checkpointing_enable"):  # the name since transformers 5.2x
             lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lm.config.use_cache = False
-    model = wrap(lm).to(device)
+    model = wrap(lm)
+    prefix = next(n for n, m in model.named_children() if m is lm) + "."
+    built = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta}
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in decoder_layers(lm):
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+    model.to_empty(device=device)  # this rank's shards, uninitialised; buffers too
+    with torch.no_grad():
+        for name, t in model.named_buffers():
+            t.copy_(built[name])
+        from_files = {n[len(prefix):]: p for n, p in model.named_parameters() if n not in built}
+        read_shards(path, from_files)
+        for name, p in model.named_parameters():
+            if name in built:
+                local, offset = _local_rows(p)
+                local.copy_(built[name][offset:offset + local.shape[0]])
     return model
+
+
+@contextmanager
+def _parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory; their init does nothing) and their
+    buffers for real (rotary frequencies are computed from the config and are in no checkpoint)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(this rank's rows of a parameter, the index of its first row in the full tensor): FSDP2 shards dim 0."""
+    if not hasattr(p, "to_local"):
+        return p.data, 0
+    if any(not (pl.is_shard(0) or pl.is_replicate()) for pl in p.placements):
+        raise ValueError(f"unexpected placements {p.placements} (FSDP2 shards dim 0)")
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return p.to_local(), (offset[0] if len(offset) else 0)
+
+
+@torch.no_grad()
+def read_shards(path: str, params: dict[str, torch.Tensor]) -> None:
+    """Fill each (sharded) parameter, by Hugging Face name, with its rows read from the model directory's safetensors
+    files: only those rows are read (safetensors slices), in the file's dtype, then cast into the fp32 shard."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json (safetensors weights "
+                                "are needed to load each rank's shard alone)")
+    missing = sorted(n for n in params if n not in weight_map)
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} parameters of the model are not in its weights, e.g. {missing[:3]}")
+    for name, p in params.items():
+        # opened per tensor: the file is memory-mapped, and the pages a slice touched stay resident until it closes
+        with safe_open(os.path.join(path, weight_map[name]), "pt") as f:
+            rows = f.get_slice(name)
+            if tuple(rows.get_shape()) != tuple(p.shape):
+                raise ValueError(f"{path}: {name} has shape {tuple(rows.get_shape())} in the file, {tuple(p.shape)} "
+                                 "in the model")
+            local, offset = _local_rows(p)
+            if local.numel():
+                local.copy_(rows[offset:offset + local.shape[0]])
 
 
 def load_policy(path: str, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool,
@@ -61,13 +162,41 @@ def load_policy(path: str, param_dtype: torch.dtype, device: torch.device, gradi
     return load_sharded(path, wrap, param_dtype, device, gradient_checkpointing, attn_implementation)
 
 
+def tied_aliases(lm: nn.Module) -> dict[str, list[str]]:
+    """{name of a parameter: the other names it is held under} (a tied lm_head: {embed_tokens.weight: [lm_head.weight]})."""
+    names = {}
+    for name, p in lm.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {ns[0]: ns[1:] for ns in names.values() if len(ns) > 1}
+
+
+def full_state_names(lm: nn.Module) -> list[tuple[str, tuple, torch.dtype]]:
+    """(Hugging Face name, full shape, dtype) of what iter_full_state(lm, float32, aliases=False) yields, in order."""
+    aliases = {a for names in tied_aliases(lm).values() for a in names}
+    return [(n, tuple(t.shape), torch.float32 if t.is_floating_point() else t.dtype)
+            for n, t in lm.state_dict().items() if n not in aliases]
+
+
 @torch.no_grad()
-def iter_full_state(lm: nn.Module, dtype: torch.dtype | None = None, device: torch.device | None = None):
+def iter_full_state(lm: nn.Module, dtype: torch.dtype | None = None, device: torch.device | None = None,
+                    aliases: bool = True):
     """Yield (Hugging Face name, full tensor) one parameter at a time: each sharded tensor is all-gathered on its own,
-    so at most one full tensor beyond the shards is alive. A collective: every rank must iterate to the end."""
+    so at most one full tensor beyond the shards is alive. Each shard is cast to `dtype` before the gather (a 16-bit
+    rollout precision moves half the bytes of the fp32 masters), and a tensor held under two names (a tied embedding
+    and lm_head) is gathered once, then yielded under each of its names in turn (vLLM wants both), or, with
+    aliases=False, under its first name only (as a checkpoint stores it). A collective: every rank must iterate to
+    the end."""
+    tied = tied_aliases(lm)
+    skip = {a for names in tied.values() for a in names}
     for name, t in lm.state_dict().items():
+        if name in skip:
+            continue
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)  # a DTensor casts its local shard
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        yield name, (t.to(device) if device is not None else t)
+        t = t.to(device) if device is not None else t
+        yield name, t
+        if aliases:
+            for alias in tied.get(name, []):
+                yield alias, t

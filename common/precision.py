@@ -97,3 +97,73 @@ class LossScaler:
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.good_steps, self.skipped_steps = state["scale"], state["good_steps"], state["skipped_steps"]
         self.consecutive_skips = state.get("consecutive_skips", 0)
+
+
+def check_finite_logprobs(step: int, mask_BT: torch.Tensor, device, train: str, rollout: str, **logp_BT) -> None:
+    """Collective. Raise TrainingFault, on every rank, when a response token's log-prob (the trainer's old_logp, the
+    sampler's mu_logp) is NaN or infinite on any rank: a sampled token has a finite log-prob under a sound model, and
+    a NaN would otherwise pass silently into the metrics (and, through the weights of a rollout correction, into
+    the loss). The usual cause is a forward that overflows in 16 bits."""
+    from common.dist import reduce_stats
+    counts = {name: float((~torch.isfinite(t) & mask_BT).sum()) for name, t in logp_BT.items()}
+    counts = reduce_stats(counts, "sum", device)
+    bad = {name: int(n) for name, n in counts.items() if n}
+    if bad:
+        side = {"old_logp": f"the trainer ({train})", "mu_logp": f"the sampler ({rollout})"}
+        which = "; ".join(f"{n} response tokens with a non-finite {name} from {side.get(name, name)}"
+                          for name, n in bad.items())
+        raise TrainingFault(f"step {step}: {which}. The model's forward likely overflows in 16 bits: try "
+                            "--train-precision / --rollout-precision bf16 or fp32 for that side")
+
+
+FORMAT_MAX = {"fp16": torch.finfo(torch.float16).max, "bf16": torch.finfo(torch.bfloat16).max,
+              "fp32": torch.finfo(torch.float32).max}
+
+
+@torch.no_grad()
+def check_forward_range(model, lm, prompts: list[list[int]], pad_id: int, device, train: str, rollout: str,
+                        chunk_size: int) -> dict:
+    """Collective (one forward under FSDP on every rank). Before any training, run the trainer's forward (in the
+    train precision) on this rank's first prompts and record the largest |activation| at the output of the embedding
+    and of every decoder layer, and whether the log-probs are finite. Raises ValueError when the train or rollout
+    precision cannot hold them (some model families reach activations beyond fp16's 65,504), naming the first layer
+    at fault and the precisions whose range does: otherwise such a run burns its steps skipping fp16 overflows or
+    samples from NaN. Returns {layer name: largest |activation| over all ranks}."""
+    from common.dist import reduce_stats
+    from common.fsdp import decoder_layers
+    from common.logprobs import collate
+    named = [(f"{lm.base_model_prefix}.embed_tokens", lm.get_input_embeddings())]
+    named += [(f"{lm.base_model_prefix}.layers.{i}", layer) for i, layer in enumerate(decoder_layers(lm))]
+    peaks = {name: 0.0 for name, _ in named}
+
+    def record(name):
+        def hook(module, inputs, output):
+            out = output[0] if isinstance(output, tuple) else output
+            peak = out.detach().abs().max().float()
+            peaks[name] = max(peaks[name], peak.item() if torch.isfinite(peak) else float("inf"))
+        return hook
+    handles = [m.register_forward_hook(record(name)) for name, m in named]
+    try:
+        rows = [p for p in prompts if len(p) >= 2] or [[pad_id, pad_id]]
+        ids, attn, rmask = collate([p[:-1] for p in rows], [p[-1:] for p in rows], pad_id, device)
+        logp_BT, _ = model(ids, attn, rmask, 1.0, chunk_size)
+        finite = bool(torch.isfinite(logp_BT[rmask]).all())
+    finally:
+        for h in handles:
+            h.remove()
+    peaks = reduce_stats(peaks, "max", device)
+    finite = reduce_stats({"nonfinite": float(not finite)}, "max", device)["nonfinite"] == 0
+    order = [name for name, _ in named]
+    top = max(peaks.values())
+    for side, prec in (("training", train), ("rollouts", rollout)):
+        first = next((n for n in order if peaks[n] >= FORMAT_MAX[prec]), None)
+        if first is None and side == "training" and not finite:
+            first = "the log-prob head"
+        # with a finite peak, the formats that hold it; past the train precision's range, the wider formats
+        fits = [p for p, m in FORMAT_MAX.items() if (top < m if math.isfinite(top) else m > FORMAT_MAX[prec])]
+        if first is not None:
+            raise ValueError(f"the model's forward overflows {prec} ({side}): activations reach "
+                             f"{peaks[first]:.3g} at {first} on the first batch (largest {prec} value "
+                             f"{FORMAT_MAX[prec]:.5g}); precisions whose range holds them: "
+                             f"{', '.join(fits) or 'none'} (--train-precision / --rollout-precision)")
+    return peaks

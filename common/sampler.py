@@ -97,8 +97,9 @@ class HFSampler:
         for name, t in named_tensors:
             if name not in self.params:
                 continue  # a buffer (e.g. rotary inv_freq): derived from the config, not trained
-            self.params[name].copy_(t)  # in place: a captured decode graph reads these very tensors
-            missing.discard(name)
+            param = self.params[name]
+            param.copy_(t)  # in place: a captured decode graph reads these very tensors
+            missing -= {n for n in missing if self.params[n] is param}  # a tied weight is sent under one name
         if missing:
             raise RuntimeError(f"weight sync: {len(missing)} sampler parameters not sent, e.g. {sorted(missing)[:3]}")
 
@@ -354,10 +355,12 @@ def resolve_sampler(kind: str) -> tuple[str, str]:
 def make_sampler(kind: str, model_path: str, precision: str, device, seed: int, rank: int, max_model_len: int,
                  batch_size: int, vllm_tp: int, vllm_gpu_memory_utilization: float, vllm_sleep_level: int,
                  vllm_kv_cache_gib: float = 0.0):
-    """The sampler of a rank: vLLM engines are seeded per TP group, the fallback sampler per rank."""
+    """The sampler of a rank: vLLM engines are seeded per TP group, the fallback sampler per rank, each with
+    stream_seed(seed, index) (streams of runs with other seeds never coincide)."""
+    from common.dist import stream_seed
     from common.precision import DTYPES
     if kind == "vllm":
         from common.vllm_sampler import VLLMSampler
-        return VLLMSampler(model_path, precision, seed + rank // vllm_tp, max_model_len, vllm_tp,
+        return VLLMSampler(model_path, precision, stream_seed(seed, rank // vllm_tp), max_model_len, vllm_tp,
                            vllm_gpu_memory_utilization, vllm_sleep_level, vllm_kv_cache_gib)
-    return HFSampler(model_path, DTYPES[precision], device, seed + rank, batch_size)
+    return HFSampler(model_path, DTYPES[precision], device, stream_seed(seed, rank), batch_size)

@@ -119,7 +119,9 @@ class VLLMSampler:
         greedy = temperature <= 0
         params = SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                                 max_tokens=max_new_tokens, logprobs=0, detokenize=False)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        # the same (possibly empty) list on every rank of a TP group, so all of them call the engine or none does
+        outputs = (self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+                   if prompts else [])
         if self.tp_group is not None:  # this rank's own share back
             prompts, outputs = prompts[offset:offset + mine], outputs[offset:offset + mine]
         out = Rollout()

@@ -23,12 +23,12 @@ def make_char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def make_tiny_model_dir(path: str, seed: int = 0, tie: bool = True, head_dim: int = 32) -> str:
+def make_tiny_model_dir(path: str, seed: int = 0, tie: bool = True, head_dim: int = 32, **config) -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
     tokenizer = make_char_tokenizer()
     cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=2 * head_dim, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, max_position_embeddings=128,
-                      tie_word_embeddings=tie, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+                      tie_word_embeddings=tie, pad_token_id=0, eos_token_id=1, bos_token_id=None, **config)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg)
     with torch.no_grad():  # larger random weights than the init, so that distributions are far from uniform

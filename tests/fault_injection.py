@@ -4,7 +4,7 @@
 
 MODE nan: every loss is NaN (a broken model or loss; in fp16, an overflow every step);
      reward: every other reward check raises; mismatch: the sampler's log-probs are all lowered by 1 (a mismatch
-     that jumps). Exits as the script's own __main__ would: 3 on a TrainingFault."""
+     that jumps); nan-logprob: the sampler's log-probs of one response are NaN. Exits as the script's own __main__ would: 3 on a TrainingFault."""
 import importlib
 import os
 import sys
@@ -37,6 +37,14 @@ elif mode == "reward":
             raise RuntimeError("injected reward failure")
         return exact(response, answer)
     common.rewards._CHECKS["exact"] = flaky
+elif mode == "nan-logprob":  # the sampler reports a NaN log-prob (a forward that overflowed in 16 bits)
+    generate = common.sampler.HFSampler.generate
+    def nan_first(self, *a, **k):  # noqa: E306
+        out = generate(self, *a, **k)
+        if on["now"] and out.logprobs:
+            out.logprobs[0] = out.logprobs[0] * float("nan")
+        return out
+    common.sampler.HFSampler.generate = nan_first
 elif mode == "mismatch":
     generate = common.sampler.HFSampler.generate
     def shifted(self, *a, **k):  # noqa: E306

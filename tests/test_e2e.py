@@ -50,6 +50,8 @@ def test_grpo_runs_and_checkpoint_reloads(tmp_path, nproc, extra):
     assert ckpts == ["step_000002"]
     path = os.path.join(run_dir, "checkpoints", ckpts[0])
     model = AutoModelForCausalLM.from_pretrained(path)
+    # the parameter count logged is the model's (a DTensor's numel is already the full size: not times the ranks)
+    assert f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters" in p.stdout, p.stdout[-2000:]
     tok = AutoTokenizer.from_pretrained(path)
     assert tok.decode(tok.encode("12+3="), skip_special_tokens=True) == "12+3="
     ids = torch.tensor([tok.encode("12+3=")])

@@ -172,6 +172,41 @@ def test_a_jump_in_the_mismatch_warns_in_the_log_and_metrics(tmp_path):
     assert [r["mismatch/collapse_warning"] for r in rows[1:]] == [0.0, 1.0]
 
 
+@pytest.mark.parametrize("script", ["grpo.py", "pg_is.py"])
+def test_nonfinite_logprob_from_the_sampler_stops_with_a_clear_error(tmp_path, script):
+    """A NaN mu_logp once passed silently into the metrics (grpo.py without correction trains on, its mismatch keys
+    NaN); now it is a fault that names its side and the precisions to try."""
+    p = inject(script, "nan-logprob", 2, tmp_path, "--num-steps", "3", "--precision", "fp32")
+    assert p.returncode == 3, p.stderr[-3000:]
+    assert "step 2:" in p.stderr and "non-finite mu_logp from the sampler (fp32)" in p.stderr, p.stderr[-2000:]
+    assert [r["step"] for r in metrics(tmp_path)] == [1]
+
+
+def test_forward_beyond_fp16_range_is_refused_before_training(tmp_path):
+    """A model whose activations exceed 65,504 (here: the first layer's MLP output scaled up): fp16 rollouts are refused
+    before the first step with the layer named and the precisions that hold it; fp32 on both sides runs."""
+    from transformers import AutoModelForCausalLM
+    from conftest import make_tiny_model_dir
+    path = make_tiny_model_dir(str(tmp_path / "m"))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(1e5)
+    model.save_pretrained(path)
+    args = ["--model", path, "--num-steps", "1", "--num-prompts", "2", "--group-size", "2", "--num-minibatches", "1",
+            "--max-prompt-len", "16", "--max-response-len", "4", "--prompt-template", "{problem}", "--reward", "exact",
+            "--sampler", "hf", "--eval-every", "0", "--save-every", "0"]
+    def run(rollout_precision):
+        return subprocess.run([sys.executable, "grpo.py", "--run-dir", str(tmp_path / rollout_precision), *args,
+                               "--precision", "fp32", "--rollout-precision", rollout_precision], cwd=ROOT, env=ENV,
+                              capture_output=True, text=True, timeout=600)
+    p = run("fp32")
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = run("fp16")
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "overflows fp16 (rollouts)" in p.stderr and "model.layers.1 " in p.stderr, p.stderr[-2000:]
+    assert "precisions whose range holds them: bf16, fp32" in p.stderr and "Traceback" not in p.stderr
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # checkpoints and the log
 
@@ -189,12 +224,12 @@ KILLED_SAVE = textwrap.dedent("""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tok = AutoTokenizer.from_pretrained(model_dir)
     ck.save_checkpoint(root, 1, model, model.lm, tok, opt, {"scaler": {}}, ck.rng_state(), keep_last=1)
-    save_file = ck.save_file
+    write_safetensors = ck.write_safetensors
     def save_and_hang(*args, **kwargs):  # the weights are on disk, the rest is not: now the kill comes
-        save_file(*args, **kwargs)
+        write_safetensors(*args, **kwargs)
         print("WRITING", flush=True)
         time.sleep(600)
-    ck.save_file = save_and_hang
+    ck.write_safetensors = save_and_hang
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pg_is import drgrpo_advantages, policy_loss, seq_importance_weights
+from pg_is import LOG_RHO_MAX, drgrpo_advantages, policy_loss, seq_importance_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LN2 = math.log(2.0)
@@ -68,15 +68,31 @@ def test_weights_above_C_truncated_or_masked_and_overflow_safe():
     w_tis, _ = seq_importance_weights(logp, mu, mask, "tis", 3.0)
     w_mis, _ = seq_importance_weights(logp, mu, mask, "mis", 3.0)
     assert lr_is.tolist() == log_rho.tolist()
-    assert w_is[:2].tolist() == pytest.approx([2.0, 5.0]) and w_is[2] == math.inf and w_is[3] == 0.0
+    assert w_is[:2].tolist() == pytest.approx([2.0, 5.0]) and w_is[3] == 0.0
+    assert w_is[2].item() == pytest.approx(math.exp(LOG_RHO_MAX))  # capped, not inf
     assert w_tis.tolist() == pytest.approx([2.0, 3.0, 3.0, 0.0])  # min(rho, C)
     assert w_mis.tolist() == pytest.approx([2.0, 0.0, 0.0, 0.0])  # rho 1{rho <= C}: the inf masked to 0, not nan
-    # the loss with mis or tis stays finite with an overflowing rho, and so does its gradient
-    for mode in ["tis", "mis"]:
+    # the loss stays finite with an overflowing rho in every mode, and so does its gradient
+    for mode in ["is", "tis", "mis"]:
         x = logp.clone().requires_grad_(True)
-        loss, _ = policy_loss(x, logp.detach(), mu, torch.ones(4), mask, mode, 3.0, 4, 4)
+        loss, stats = policy_loss(x, logp.detach(), mu, torch.ones(4), mask, mode, 3.0, 4, 4)
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+        assert stats["rho_clamped"] == 1 and math.isfinite(stats["rho"]) and math.isfinite(stats["rho_max"])
+
+
+def test_overflowing_rho_with_zero_advantage_is_not_nan():
+    """--is-mode is: a sequence with log rho 100 (rho = inf in fp32) and A = 0 (a group all right or all wrong, the
+    common case) once gave inf * 0 = NaN, which stopped the run. Below the cap the loss is the exact estimator."""
+    logp = torch.tensor([[100.0, 0.0], [math.log(3.0), 0.0]])
+    mu = torch.zeros(2, 2)
+    mask = torch.tensor([[1, 0], [1, 0]], dtype=torch.bool)
+    x = logp.clone().requires_grad_(True)
+    loss, stats = policy_loss(x, logp, mu, torch.tensor([0.0, 1.0]), mask, "is", 3.0, 1, 2)
+    loss.backward()
+    assert loss.item() == pytest.approx(-3.0 * math.log(3.0) / 2)  # only row 1: -rho A logp / N
+    assert x.grad[0].tolist() == [0.0, 0.0] and torch.isfinite(x.grad).all()
+    assert stats["rho_clamped"] == 1
 
 
 @pytest.mark.parametrize("mode,C", [("is", 3.0), ("tis", 1.5), ("mis", 1.5)])

@@ -1,8 +1,12 @@
-"""Determinism and exact resume of grpo.py on CPU in fp32 (the fallback sampler's stream is saved and restored)."""
+"""Determinism and exact resume of grpo.py on CPU in fp32 (the fallback sampler's stream is saved and restored), and
+resuming on another number of ranks."""
 import json
+import math
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--num-steps", "3", "--num-prompts", "8", "--group-size", "4", "--eval-every", "0", "--save-every", "1",
@@ -31,3 +35,27 @@ def test_same_seed_same_metrics_and_resume_continues_identically(tmp_path):
     assert [a[3][k] for k in KEYS] == [c[3][k] for k in KEYS]
     other = run(str(tmp_path / "d"), "--seed", "2")
     assert [a[1][k] for k in KEYS] != [other[1][k] for k in KEYS]
+
+
+def run_ranks(nproc, run_dir, *extra):
+    if nproc == 1:
+        return run(run_dir, *extra)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                        "grpo.py", "--run-dir", run_dir, *ARGS, *extra], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f) if "train/accuracy" in r}
+
+
+@pytest.mark.parametrize("saved_on,resumed_on", [(2, 1), (1, 2)])
+def test_resume_on_another_number_of_ranks(tmp_path, saved_on, resumed_on):
+    """Saved on 2 ranks, resumed on 1 (and the reverse): the sharded optimizer state is resharded on load (its exact
+    restoration is checked in tests/test_checkpoint.py) and the run goes on. Its step 3 samples with the new number
+    of ranks' streams, so its metrics are not those of the uninterrupted run."""
+    run_dir = str(tmp_path / "run")
+    run_ranks(saved_on, run_dir, "--num-steps", "2")
+    rows = run_ranks(resumed_on, run_dir, "--resume", "latest")
+    assert sorted(rows) == [1, 2, 3]
+    assert all(math.isfinite(rows[3][k]) for k in KEYS)

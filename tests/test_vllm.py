@@ -86,19 +86,22 @@ def test_vllm_logprobs_equal_trainer_fp32(engine, process_group, temperature):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_grpo_with_vllm_under_torchrun(tmp_path, tp):
     """tp 1: an engine per rank; tp 2: one engine sharded over both ranks, which sample their prompts together and
-    take back their own (a misrouted response would show as a large kl_k3)."""
+    take back their own (a misrouted response would show as a large kl_k3). The evaluation has 1 problem: rank 1's
+    share is empty, and its engine must still enter generate's gather (it once hung there)."""
     run_dir = str(tmp_path / "run")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "grpo.py",
            "--sampler", "vllm", "--vllm-tp", str(tp), "--vllm-gpu-memory-utilization", "0.15", "--run-dir", run_dir,
            "--num-steps", "2",
-           "--num-prompts", "8", "--group-size", "4", "--eval-every", "0", "--save-every", "0"]
+           "--num-prompts", "8", "--group-size", "4", "--eval-every", "0", "--eval-k", "1", "--eval-max-problems",
+           "1", "--save-every", "0"]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "[sampler] vllm" in p.stdout
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = [r for r in rows if "train/accuracy" in r]
     assert [r["step"] for r in steps] == [1, 2]
+    assert [r["step"] for r in rows if "eval/eval/accuracy" in r] == [2]  # the final evaluation, 1 problem
     for r in steps:
         assert all(math.isfinite(v) for v in r.values())
         # fp32 on both sides: the sampler's and the trainer's probabilities agree to rounding (regression guard

@@ -1,0 +1,118 @@
+"""Checks that need several ranks, run by tests/test_fsdp.py under torchrun on CPU (gloo):
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/multirank.py CHECK MODEL_DIR OUT_DIR
+
+Each rank writes what its check returns to OUT_DIR/rank<r>.json for the test to read."""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common.dist import setup_distributed  # noqa: E402
+from common.fsdp import iter_full_state, load_policy  # noqa: E402
+
+
+class GatheredBytes(TorchDispatchMode):
+    """Counts the bytes this rank puts into all-gathers (a DTensor's full_tensor() is one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes, self.calls = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "all_gather" in str(func):
+            self.bytes += args[0].numel() * args[0].element_size()
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def check_sync_bytes(path, device):
+    """The weight sync gathers each tensor once, in the rollout precision."""
+    model = load_policy(path, torch.float32, device, gradient_checkpointing=False)
+    numel = sum(p.numel() for p in model.lm.parameters())  # a tied weight counted once
+    with GatheredBytes() as mode:
+        names = [name for name, _ in iter_full_state(model.lm, torch.bfloat16, device)]
+    return {"bytes": mode.bytes, "calls": mode.calls, "names": names, "bf16_shard_bytes": 2 * numel / dist.get_world_size()}
+
+
+def check_load(path, device):
+    """The sharded load equals from_pretrained, tensor by tensor (uneven shards included), and ties what it ties."""
+    from transformers import AutoModelForCausalLM
+    model = load_policy(path, torch.float32, device, gradient_checkpointing=True)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    full = dict(iter_full_state(model.lm))
+    return {"names": sorted(full), "ref_names": sorted(ref), "equal": all(torch.equal(full[k], ref[k]) for k in full),
+            "tied": model.lm.lm_head.weight is model.lm.model.embed_tokens.weight}
+
+
+def check_load_memory(path, device):
+    """Peak host memory (max RSS) that loading the policy adds on this rank."""
+    import resource
+    import gc
+    gc.collect()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model = load_policy(path, torch.float32, device, gradient_checkpointing=True)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"peak_added": after - before, "fp32_bytes": 4 * sum(p.numel() for p in model.parameters())}
+
+
+def optimizer_summary(model, optimizer):
+    """Per parameter (by name): the sums of its full weight, its AdamW moments and its step count."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    osd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).double().sum().item()
+               for n, p in model.named_parameters()}
+    return {n: [weights[n], st["exp_avg"].double().sum().item(), st["exp_avg_sq"].double().sum().item(),
+                float(st["step"])] for n, st in osd["state"].items()}
+
+
+def check_save(path, device):
+    """One AdamW step on a fixed batch, then a checkpoint in path/checkpoints; returns the state it saved."""
+    from transformers import AutoTokenizer
+    from common.checkpoint import rng_state, save_checkpoint
+    from common.logprobs import collate
+    model = load_policy(path, torch.float32, device, gradient_checkpointing=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids, attn, rmask = collate([[4, 5, 13, 6, 14], [7, 14]], [[5, 6, 7, 1], [8, 9]], 0, device)
+    logp, _ = model(ids, attn, rmask, 1.0, 16)
+    (-logp.sum()).backward()
+    optimizer.step()
+    save_checkpoint(os.path.join(path, "checkpoints"), 1, model, model.lm, AutoTokenizer.from_pretrained(path),
+                    optimizer, {"scaler": {}}, rng_state(), keep_last=0)
+    return optimizer_summary(model, optimizer)
+
+
+def check_resume(path, device):
+    """The state a run resumed from checkpoint `path` holds (on this many ranks)."""
+    from common.checkpoint import load_training_state
+    model = load_policy(path, torch.float32, device, gradient_checkpointing=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state, _ = load_training_state(path, model, optimizer)
+    assert state["step"] == 1
+    return optimizer_summary(model, optimizer)
+
+
+def check_shared_dir(path, device):
+    """Each rank gives its own directory (as node-local run directories would be): refused on every rank."""
+    from common.checkpoint import check_shared_dir
+    check_shared_dir(path, device)  # one directory: fine
+    try:
+        check_shared_dir(os.path.join(path, f"node{dist.get_rank()}"), device)
+    except ValueError as e:
+        return {"refused": str(e)}
+    return {"refused": None}
+
+
+if __name__ == "__main__":
+    check, path, out = sys.argv[1:4]
+    rank, world_size, device = setup_distributed()
+    result = globals()[f"check_{check}"](path, device)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,38 @@
+"""Sharded checkpoints (common/checkpoint.py) under torchrun on CPU: each rank writes its shard of the AdamW state,
+rank 0 streams the weights into a Hugging Face directory, and a run resumes on another number of ranks with the
+very state that was saved. A run directory that not every rank sees is refused at the start."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import make_tiny_model_dir
+from test_fsdp import torchrun
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("saved_on,resumed_on", [(2, [1, 3]), (1, [2])])
+def test_resume_on_another_number_of_ranks_restores_the_saved_state(tmp_path, saved_on, resumed_on):
+    path = make_tiny_model_dir(str(tmp_path / "m"), tie=False)
+    saved = torchrun(saved_on, "save", path, str(tmp_path / "save"))[0]
+    ckpt = os.path.join(path, "checkpoints", "step_000001")
+    files = sorted(os.listdir(os.path.join(ckpt, "optimizer")))
+    assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(saved_on)]  # one shard per rank
+    assert not os.path.exists(os.path.join(ckpt, "optimizer.pt"))
+    # the Hugging Face directory: the weights the run had (the first number of each summary), streamed by rank 0
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    for name, p in hf.named_parameters():
+        assert p.double().sum().item() == saved["lm." + name][0]
+    for n in resumed_on:
+        for r in torchrun(n, "resume", ckpt, str(tmp_path / f"resume{n}")):
+            assert r == saved  # weights, both AdamW moments and the step count, exactly
+
+
+def test_run_dir_not_seen_by_every_rank_is_refused(tmp_path):
+    for r in torchrun(2, "shared_dir", str(tmp_path / "run"), str(tmp_path / "out")):
+        assert r["refused"] and "shared filesystem" in r["refused"]

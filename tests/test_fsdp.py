@@ -1,0 +1,77 @@
+"""common/fsdp.py: the trainer's model as the scripts load it. Dropout is off although the forwards run in train
+mode (gradient checkpointing acts only there)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import make_tiny_model_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_dropout_off_in_the_trainer(tmp_path, process_group):
+    """A checkpoint whose config sets attention dropout: two train-mode forwards of the same batch give the same
+    log-probs, those of the model without dropout (with dropout on they differed by nats)."""
+    from common.fsdp import load_policy
+    from common.logprobs import collate
+    _, _, device = process_group
+    path = make_tiny_model_dir(str(tmp_path / "m"), attention_dropout=0.5)
+    model = load_policy(path, torch.float32, device, gradient_checkpointing=True)
+    assert model.lm.config.attention_dropout == 0.0
+    model.train()
+    ids, attn, rmask = collate([[4, 5, 13, 6, 14], [7, 14]], [[5, 6, 7, 1], [8, 9]], 0, device)
+    with torch.no_grad():
+        a, _ = model(ids, attn, rmask, 1.0, 16)
+        b, _ = model(ids, attn, rmask, 1.0, 16)
+        model.eval()
+        c, _ = model(ids, attn, rmask, 1.0, 16)
+    assert torch.equal(a, b) and torch.allclose(a, c, atol=1e-6)
+
+
+def torchrun(nproc, check, path, out):
+    """tests/multirank.py's `check` on `nproc` ranks; returns what each rank's check returned, by rank."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    os.makedirs(out, exist_ok=True)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                        "tests/multirank.py", check, path, out], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(nproc)]
+
+
+def test_weight_sync_gathers_each_tensor_once_in_the_rollout_precision(tmp_path):
+    """2 ranks, a tied model, a bf16 rollout: each rank puts its bf16 shard of every distinct tensor into the
+    all-gathers (the fp32 masters, and the tied embedding under both names, once moved 2.x times the bytes). The
+    tied tensor is still sent under both names (vLLM's CPU engine keeps its own lm_head copy)."""
+    path = make_tiny_model_dir(str(tmp_path / "m"))
+    for r in torchrun(2, "sync_bytes", path, str(tmp_path / "out")):
+        assert "lm_head.weight" in r["names"] and "model.embed_tokens.weight" in r["names"]
+        assert r["bytes"] <= 1.05 * r["bf16_shard_bytes"], r  # (shards are padded to equal sizes)
+
+
+@pytest.mark.parametrize("nproc,tie", [(2, True), (3, False)])
+def test_sharded_load_equals_from_pretrained(tmp_path, nproc, tie):
+    """Each rank reads only its rows of every tensor; put together they are the checkpoint's (3 ranks: uneven shards,
+    the vocabulary of 42 rows does not divide)."""
+    path = make_tiny_model_dir(str(tmp_path / "m"), tie=tie)
+    for r in torchrun(nproc, "load", path, str(tmp_path / "out")):
+        assert r["equal"] and r["tied"] == tie
+        assert r["names"] == r["ref_names"]  # a tied lm_head under its own name too
+
+
+def test_load_peak_host_memory_is_about_a_shard(tmp_path):
+    """2 ranks, a 40M-parameter model (165 MB in fp32): loading adds about one shard to each rank's peak host memory,
+    not the whole model (every rank once built the full fp32 model first)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(str(tmp_path / "m"))
+    for r in torchrun(2, "load_memory", str(tmp_path / "m"), str(tmp_path / "out")):
+        print(f"\n[load] peak host memory added: {r['peak_added'] / 2**20:.0f} MiB; fp32 model "
+              f"{r['fp32_bytes'] / 2**20:.0f} MiB")
+        assert r["peak_added"] < 0.75 * r["fp32_bytes"], r
