@@ -55,17 +55,17 @@ real-model: install
 	$(PY) -m common.real_model
 	$(PY) -m common.word_problems
 
-# the study's grid (grpo with none / token-tis / seq-mis, pg_is, gspo, ppo at fp16 and bf16) on the real model, 12
-# runs side by side on one GPU, each with its own vLLM engine; fp16 must pass, bf16 is a finding either way
+# the study's grid (grpo with none / token-tis / seq-mis, pg_is, gspo, ppo at fp16 and bf16) on the real model, on
+# one GPU with vLLM, 8 runs side by side (12 at once overflowed an H200's 139 GiB); fp16 must pass, bf16 is a finding
 REAL_SANITY_ARGS ?=
 sanity-real: real-model
 	$(PY) sanity/run_sanity.py --out-dir runs/sanity_real --model "$$($(PY) -m common.real_model)" \
 		--dataset "$$($(PY) -m common.word_problems | head -1)" \
 		--algorithms grpo grpo_token_tis grpo_seq_mis pg_is gspo ppo --precisions fp16 bf16 \
-		--must-pass-precisions fp16 --k 16 --max-problems 1024 --num-steps 150 --parallel 12 \
+		--must-pass-precisions fp16 --k 16 --max-problems 1024 --num-steps 100 --no-stop-early --parallel 8 \
 		--common-args="--sampler vllm --prompt-template chat:{problem} --max-prompt-len 128 --max-response-len 128 \
-		--vllm-gpu-memory-utilization 0.04" --builder-args="--reward number" \
-		--script-args="--reward number --lr 1e-5 --vllm-sleep-level 0" $(REAL_SANITY_ARGS)
+		--vllm-gpu-memory-utilization 0.03 --vllm-kv-cache-gib 2" --builder-args="--reward number" \
+		--script-args="--reward number --lr 1e-5 --vllm-sleep-level 0 --micro-batch-tokens 16384" $(REAL_SANITY_ARGS)
 
 bench: install
 	$(PY) bench/benchmark.py $(BENCH_ARGS)
