@@ -211,9 +211,9 @@ class TrainRun:
         return res
 
 
-def run_all(jobs: list[tuple[dict, list[str], str, str]], args: Args, extra: subprocess.Popen | None = None) -> list:
+def run_all(jobs: list[tuple[dict, list[str], str, str]], args: Args) -> list:
     """Run the (info, cmd, run_dir, label) jobs, --parallel at a time, their starts --stagger-s apart. Returns
-    info + result per job, in the jobs' order. `extra` (the analysis, beside the runs) is waited for at the end."""
+    info + result per job, in the jobs' order."""
     results, running, todo = [None] * len(jobs), {}, list(enumerate(jobs))
     last_start = -1e9
     try:
