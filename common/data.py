@@ -108,6 +108,14 @@ def _check_template(template: str) -> None:
         )
 
 
+def _format_of(template: str) -> str:
+    """The format string of a --prompt-template: for 'chat', the user turn with the R1 instruction; for
+    'chat:<format>', <format>; otherwise the template itself."""
+    if template == "chat":
+        return "{problem} {instruction}"
+    return template[len("chat:"):] if template.startswith("chat:") else template
+
+
 def format_prompt(tokenizer, problem: str, template: str) -> list[int]:
     """Token ids of the prompt for one problem.
 
@@ -122,7 +130,7 @@ def format_prompt(tokenizer, problem: str, template: str) -> list[int]:
                 "this tokenizer has no chat template; pass a raw template instead, "
                 'e.g. --prompt-template "{problem}\\n{instruction}\\n"'
             )
-        user = "{problem} {instruction}" if template == "chat" else template[len("chat:"):]
+        user = _format_of(template)
         _check_template(user)
         content = user.replace("\\n", "\n").format(problem=problem, instruction=INSTRUCTION)
         messages = [{"role": "user", "content": content}]
@@ -152,8 +160,7 @@ def encode_problems(tokenizer, problems: list[dict], template: str, max_prompt_l
     skipped, never cut."""
     if not problems:
         raise ValueError(f"[data] {name}: no problems to encode")
-    if template != "chat":
-        _check_template(template[len("chat:"):] if template.startswith("chat:") else template)
+    _check_template(_format_of(template))
     encoded, n_skipped, longest = [], 0, 0
     for p in problems:
         ids = format_prompt(tokenizer, p["problem"], template)

@@ -137,6 +137,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> dict:
     """GGUF -> a Hugging Face model directory (fp32 safetensors, tokenizer, generation config) at out_dir. Returns
     facts about the result (architecture, parameters, special tokens)."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     t0 = time.time()
     src, fname = os.path.split(os.path.abspath(gguf_path))
@@ -157,9 +158,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> dict:
     tokenizer.save_pretrained(out_dir)
     info = {"source": os.path.basename(gguf_path), "architecture": type(model).__name__,
             "parameters": sum(p.numel() for p in model.parameters()), **tokens,
-            "convert_seconds": round(time.time() - t0, 1)}
-    import transformers
-    info["transformers"] = transformers.__version__
+            "convert_seconds": round(time.time() - t0, 1), "transformers": transformers.__version__}
     with open(os.path.join(out_dir, "conversion.json"), "w") as f:
         json.dump(info, f, indent=1)
     return info

@@ -374,8 +374,8 @@ def main(args: Args, argv: list[str]) -> int:
     if args.analysis and args.parallel > 1:
         print(f"[sanity] mismatch analysis, beside the runs: {shlex.join(analysis_cmd)}", flush=True)
         os.makedirs(os.path.join(out, "analysis"), exist_ok=True)
-        analysis = subprocess.Popen(analysis_cmd, stdout=open(os.path.join(out, "analysis", "analysis.log"), "w"),
-                                    stderr=subprocess.STDOUT)
+        with open(os.path.join(out, "analysis", "analysis.log"), "w") as log:  # the child keeps its own copy
+            analysis = subprocess.Popen(analysis_cmd, stdout=log, stderr=subprocess.STDOUT)
     results = run_all(jobs, args)
 
     # --- 3. the offline mismatch analysis on the kept problems' prompts
