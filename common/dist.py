@@ -13,19 +13,24 @@ import torch.distributed as dist
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
-    """Initialise the process group (nccl on GPU, gloo on CPU). Returns (rank, world_size, device)."""
+    """Initialise the process group (nccl for GPU tensors and gloo for CPU tensors on GPU, gloo on CPU). Returns
+    (rank, world_size, device)."""
     torchrun = "RANK" in os.environ
     rank, world_size = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if torchrun else (0, 1)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
+        # one group, two backends, each collective taking its tensors' one: with --cpu-offload the gradients are CPU
+        # tensors and clip_grad_norm_ all-reduces their norm there. GPU tensors still go through nccl (device_id
+        # binds the nccl side to this GPU); vLLM's external_launcher only reads this group's ranks and makes its own
+        # nccl and gloo groups
+        backend = "cuda:nccl,cpu:gloo"
     else:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        kwargs = {"device_id": device} if backend == "nccl" else {}
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
         if not torchrun:  # plain `python script.py`: a group of one on a free local port
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
