@@ -2,6 +2,7 @@
 
 fp32 master weights and optimizer states; compute in the train precision (MixedPrecisionPolicy.param_dtype);
 gradients reduced in fp32. `fully_shard` per decoder layer, then the root, on any number of ranks including 1.
+With cpu_offload (CPUOffloadPolicy) the sharded weights, their gradients and so the AdamW states live in CPU memory.
 """
 import json
 import os
@@ -10,7 +11,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 from safetensors import safe_open
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -51,7 +52,7 @@ def without_dropout(config) -> dict:
 
 
 def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool,
-                 attn_implementation: str = "sdpa") -> nn.Module:
+                 attn_implementation: str = "sdpa", cpu_offload: bool = False) -> nn.Module:
     """Build a Hugging Face causal LM with fp32 master weights, wrap it (`wrap(lm)` -> the root module, e.g.
     PolicyModel), and shard with FSDP2: each decoder layer, then the root, which so owns the embedding, the final norm
     and the lm_head (kept together: they may be tied) and whatever the wrapper adds. Dropout is off (without_dropout),
@@ -60,7 +61,11 @@ def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device
     The full model never exists on any rank: its parameters are built on the meta device, sharded, and each rank then
     reads only its own rows of every tensor from the safetensors files (an fp32 7B model is 30 GB; eight ranks each
     loading all of it needed 240 GB of host memory). What the files do not hold (buffers such as rotary frequencies,
-    parameters the wrapper adds such as a value head) is built for real on every rank, as it is small."""
+    parameters the wrapper adds such as a value head) is built for real on every rank, as it is small.
+
+    cpu_offload: the sharded fp32 parameters (and so their gradients and the optimizer's states) stay in CPU memory;
+    FSDP2 copies each group's shards to `device` before its all-gather and the reduced gradients back. Buffers stay
+    on `device`, where the forward reads them."""
     config = AutoConfig.from_pretrained(path)
     without_dropout(config)
     with _parameters_on_meta():
@@ -80,13 +85,19 @@ def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device
     prefix = next(n for n, m in model.named_children() if m is lm) + "."
     built = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta}
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # pinned host memory makes the copies to and from the GPU faster and lets them overlap compute; without an
+    # accelerator there is nothing to pin for (pin_memory() raises), and the offload changes nothing there
+    offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if cpu_offload else OffloadPolicy()
     for layer in decoder_layers(lm):
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    model.to_empty(device=device)  # this rank's shards, uninitialised; buffers too
+        fully_shard(layer, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mp_policy=mp, offload_policy=offload)
+    # this rank's shards, uninitialised; buffers too. With offload the shards must be on the CPU (FSDP2 checks at the
+    # first forward and does not move them), the buffers on `device` (where fully_shard put them: to_empty took them
+    # to the CPU with the shards, and nothing moves them back)
+    model.to_empty(device=torch.device("cpu") if cpu_offload else device)
     with torch.no_grad():
         for name, t in model.named_buffers():
-            t.copy_(built[name])
+            t.data = built[name].to(device)
         from_files = {n[len(prefix):]: p for n, p in model.named_parameters() if n not in built}
         read_shards(path, from_files)
         for name, p in model.named_parameters():
@@ -153,13 +164,13 @@ def read_shards(path: str, params: dict[str, torch.Tensor]) -> None:
 
 
 def load_policy(path: str, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool,
-                attn_implementation: str = "sdpa") -> PolicyModel:
+                attn_implementation: str = "sdpa", cpu_offload: bool = False) -> PolicyModel:
     """The policy: the FSDP2-sharded PolicyModel wrapper (its forward returns the response tokens' log-probs)."""
     def wrap(lm):
         if lm.lm_head.bias is not None:
             raise ValueError("lm_head with a bias is not supported by the chunked log-prob head")
         return PolicyModel(lm)
-    return load_sharded(path, wrap, param_dtype, device, gradient_checkpointing, attn_implementation)
+    return load_sharded(path, wrap, param_dtype, device, gradient_checkpointing, attn_implementation, cpu_offload)
 
 
 def tied_aliases(lm: nn.Module) -> dict[str, list[str]]:
@@ -175,6 +186,17 @@ def full_state_names(lm: nn.Module) -> list[tuple[str, tuple, torch.dtype]]:
     aliases = {a for names in tied_aliases(lm).values() for a in names}
     return [(n, tuple(t.shape), torch.float32 if t.is_floating_point() else t.dtype)
             for n, t in lm.state_dict().items() if n not in aliases]
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a DTensor: a collective, every rank calls it), or `t` itself. An offloaded
+    shard (cpu_offload) is on the CPU while its mesh is the GPU's: it is moved to the GPU first, so that the
+    all-gather runs there (NCCL, not gloo) and gives a GPU tensor, as torch.distributed's own state-dict gather does."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    if t.device.type != t.device_mesh.device_type:
+        t = t.to(t.device_mesh.device_type)
+    return t.full_tensor()
 
 
 @torch.no_grad()
@@ -193,8 +215,7 @@ def iter_full_state(lm: nn.Module, dtype: torch.dtype | None = None, device: tor
             continue
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)  # a DTensor casts its local shard
-        if hasattr(t, "full_tensor"):
-            t = t.full_tensor()
+        t = full_tensor(t)
         t = t.to(device) if device is not None else t
         yield name, t
         if aliases:

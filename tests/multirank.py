@@ -71,12 +71,12 @@ def optimizer_summary(model, optimizer):
                 float(st["step"])] for n, st in osd["state"].items()}
 
 
-def check_save(path, device):
+def check_save(path, device, cpu_offload=False):
     """One AdamW step on a fixed batch, then a checkpoint in path/checkpoints; returns the state it saved."""
     from transformers import AutoTokenizer
     from common.checkpoint import rng_state, save_checkpoint
     from common.logprobs import collate
-    model = load_policy(path, torch.float32, device, gradient_checkpointing=False)
+    model = load_policy(path, torch.float32, device, gradient_checkpointing=False, cpu_offload=cpu_offload)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids, attn, rmask = collate([[4, 5, 13, 6, 14], [7, 14]], [[5, 6, 7, 1], [8, 9]], 0, device)
     logp, _ = model(ids, attn, rmask, 1.0, 16)
@@ -87,14 +87,70 @@ def check_save(path, device):
     return optimizer_summary(model, optimizer)
 
 
-def check_resume(path, device):
+def check_resume(path, device, cpu_offload=False):
     """The state a run resumed from checkpoint `path` holds (on this many ranks)."""
     from common.checkpoint import load_training_state
-    model = load_policy(path, torch.float32, device, gradient_checkpointing=False)
+    model = load_policy(path, torch.float32, device, gradient_checkpointing=False, cpu_offload=cpu_offload)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     state, _ = load_training_state(path, model, optimizer)
     assert state["step"] == 1
     return optimizer_summary(model, optimizer)
+
+
+def check_save_offload(path, device):
+    return check_save(path, device, cpu_offload=True)
+
+
+def check_resume_offload(path, device):
+    return check_resume(path, device, cpu_offload=True)
+
+
+def offloaded(model):
+    """(FSDP2 parameters set to offload to the CPU, all FSDP2 parameters)."""
+    from torch.distributed.fsdp import FSDPModule
+    flags = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()  # (older torch: one parameter group, not a list)
+            groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+            flags += [fp.offload_to_cpu for group in groups if group is not None for fp in group.fsdp_params]
+    return sum(flags), len(flags)
+
+
+def check_offload_step(path, device):
+    """One training step as the scripts take it (forward, backward, LossScaler.step: clip_grad_norm_ and AdamW), from
+    the same weights on the same batch, without and with cpu_offload: the loss, the log-probs, the gradient norm and
+    the weights after the step of each, and where the offloaded model keeps its shards, gradients and AdamW states."""
+    from common.logprobs import collate
+    from common.precision import LossScaler
+    ids, attn, rmask = collate([[4, 5, 13, 6, 14], [7, 14]], [[5, 6, 7, 1], [8, 9]], 0, device)
+    local_devices = lambda ts: sorted({t.to_local().device.type for t in ts})
+    runs = []
+    for cpu_offload in (False, True):
+        model = load_policy(path, torch.float32, device, gradient_checkpointing=True, cpu_offload=cpu_offload)
+        params = list(model.parameters())
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        model.train()
+        logp, _ = model(ids, attn, rmask, 1.0, 16)
+        loss = -(logp * rmask).sum() / rmask.sum()
+        loss.backward()
+        grad_devices = local_devices(p.grad for p in params)
+        norm, skipped = LossScaler(enabled=False).step(params, optimizer, max_grad_norm=0.5)
+        assert not skipped
+        runs.append({"loss": loss.item(), "logp": logp.detach(), "norm": norm, "offloaded": offloaded(model),
+                     "weights": {n: t.clone() for n, t in iter_full_state(model.lm, torch.float32, device)},
+                     "devices": {"grads": grad_devices, "params": local_devices(params),
+                                 "adamw": local_devices(t for st in optimizer.state.values() for t in st.values()
+                                                        if hasattr(t, "to_local"))}})
+    plain, off = runs
+    from safetensors.torch import load_file
+    initial = load_file(os.path.join(path, "model.safetensors"))
+    max_diff = lambda a, b: max((a[n] - b[n]).abs().max().item() for n in b)
+    return {"loss": [plain["loss"], off["loss"]], "norm": [plain["norm"], off["norm"]],
+            "logp_equal": torch.equal(plain["logp"], off["logp"]),
+            "weights_max_diff": max_diff(plain["weights"], off["weights"]),
+            "weights_moved": min((plain["weights"][n] - w).abs().max().item() for n, w in initial.items()),
+            "offloaded": [plain["offloaded"], off["offloaded"]], "devices_offload": off["devices"]}
 
 
 def check_shared_dir(path, device):

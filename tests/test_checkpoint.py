@@ -33,6 +33,17 @@ def test_resume_on_another_number_of_ranks_restores_the_saved_state(tmp_path, sa
             assert r == saved  # weights, both AdamW moments and the step count, exactly
 
 
+def test_checkpoint_of_an_offloaded_run_resumes_with_and_without_offload(tmp_path):
+    """--cpu-offload: the AdamW state (shards on the CPU) saved on 2 ranks is restored exactly on 1 rank with offload
+    and on 2 without."""
+    path = make_tiny_model_dir(str(tmp_path / "m"), tie=False)
+    saved = torchrun(2, "save_offload", path, str(tmp_path / "save"))[0]
+    ckpt = os.path.join(path, "checkpoints", "step_000001")
+    assert torchrun(1, "resume_offload", ckpt, str(tmp_path / "resume1"))[0] == saved
+    for r in torchrun(2, "resume", ckpt, str(tmp_path / "resume2")):
+        assert r == saved
+
+
 def test_run_dir_not_seen_by_every_rank_is_refused(tmp_path):
     for r in torchrun(2, "shared_dir", str(tmp_path / "run"), str(tmp_path / "out")):
         assert r["refused"] and "shared filesystem" in r["refused"]

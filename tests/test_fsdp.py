@@ -75,3 +75,19 @@ def test_load_peak_host_memory_is_about_a_shard(tmp_path):
         print(f"\n[load] peak host memory added: {r['peak_added'] / 2**20:.0f} MiB; fp32 model "
               f"{r['fp32_bytes'] / 2**20:.0f} MiB")
         assert r["peak_added"] < 0.75 * r["fp32_bytes"], r
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_cpu_offload_takes_the_same_step(tmp_path, nproc):
+    """--cpu-offload on CPU (FSDP2 takes a CPUOffloadPolicy with a CPU mesh; only pinning needs a GPU): one step
+    (forward, backward, clip_grad_norm_ over the ranks, AdamW) gives exactly the loss, log-probs, gradient norm and
+    weights it gives without offload, with every parameter under the offload policy and its shard, gradient and AdamW
+    states on the CPU. Exact: on a CPU both run the same kernels on the same tensors (on a GPU: tests/test_gpu.py)."""
+    path = make_tiny_model_dir(str(tmp_path / "m"))
+    for r in torchrun(nproc, "offload_step", path, str(tmp_path / "out")):
+        assert r["loss"][0] == r["loss"][1] and r["logp_equal"] and r["norm"][0] == r["norm"][1], r
+        assert r["norm"][0] > 0.5  # the clip acted (max_grad_norm 0.5): its all-reduced norm is in the weights
+        assert r["weights_max_diff"] == 0.0 and r["weights_moved"] > 1e-4, r  # every tensor took the step
+        (n_plain, _), (n_offload, total) = r["offloaded"]
+        assert n_plain == 0 and n_offload == total > 0, r  # every parameter under the offload policy
+        assert r["devices_offload"] == {"grads": ["cpu"], "params": ["cpu"], "adamw": ["cpu"]}, r
