@@ -74,6 +74,23 @@ def test_training_moves_the_weights_and_resume_continues(tmp_path):
     assert not torch.equal(start.model.embed_tokens.weight, end.model.embed_tokens.weight)
 
 
+def test_cpu_offload_changes_nothing_on_cpu(tmp_path):
+    """grpo.py --cpu-offload (FSDP2 CPUOffloadPolicy; on a CPU the weights are already there): the same metrics, step
+    for step, and the same checkpoint as without, through the weight sync, evaluation and the checkpoint's gathers."""
+    keys = ["train/accuracy", "train/loss", "mismatch/kl_k3", "optim/grad_norm", "policy/approx_kl", "train/entropy"]
+    metrics, weights = {}, {}
+    for name, extra in (("plain", []), ("offload", ["--cpu-offload"])):
+        run_dir = str(tmp_path / name)
+        p = run([sys.executable, "grpo.py", "--run-dir", run_dir, *SMALL, *extra])
+        assert p.returncode == 0, p.stderr[-3000:]
+        metrics[name] = [[r[k] for k in keys] for r in read_metrics(run_dir) if "train/accuracy" in r]
+        path = os.path.join(run_dir, "checkpoints", "step_000002")
+        weights[name] = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    assert len(metrics["offload"]) == 2 and metrics["offload"] == metrics["plain"]
+    for name, t in weights["plain"].items():
+        assert torch.equal(t, weights["offload"][name]), name
+
+
 def test_builtin_accuracy_rises(tmp_path):
     """The built-in task's point: GRPO visibly improves the warm-started model within a minute on a CPU."""
     run_dir = str(tmp_path / "run")

@@ -315,6 +315,22 @@ def test_ppo_under_torchrun_then_resume_continues_exactly(tmp_path):
         assert again[0][key] == pytest.approx(steps[2][key], rel=1e-5, abs=1e-7), key
 
 
+def test_ppo_cpu_offload_changes_nothing_on_cpu(tmp_path):
+    """Two ranks, --cpu-offload for the policy and the critic (on a CPU the weights are already there): the same
+    metrics, step for step, and the same critic value head in its checkpoint, as without."""
+    keys = ["train/accuracy", "train/loss", "policy/approx_kl", "optim/grad_norm", *CRITIC_KEYS]
+    metrics, heads = {}, {}
+    for name, extra in (("plain", []), ("offload", ["--cpu-offload"])):
+        run_dir = str(tmp_path / name)
+        p = run(TORCHRUN + ["ppo.py", "--run-dir", run_dir, *SMALL, "--num-steps", "2"] + extra)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        metrics[name] = [[r[k] for k in keys] for r in read_metrics(run_dir) if "train/accuracy" in r]
+        with open(os.path.join(run_dir, "critic_checkpoints", "step_000002", "trainer_state.json")) as f:
+            heads[name] = json.load(f)["value_head"]
+    assert len(metrics["offload"]) == 2 and metrics["offload"] == metrics["plain"]
+    assert heads["offload"] == heads["plain"]
+
+
 def test_resume_without_the_critic_checkpoint_fails_clearly(tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints" / "step_000001").mkdir(parents=True)
