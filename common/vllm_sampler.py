@@ -31,6 +31,17 @@ def _model_runner(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
 
+def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
+    """The log-prob of each sampled token from what vLLM returned for a response: FlatLogprobs (flat lists; with
+    logprobs=0 one entry per position, the sampled token's), or a list of {token id: Logprob} per position."""
+    if hasattr(logprobs, "start_indices"):
+        if logprobs.token_ids == ids:  # one entry per position: the lists are the answer
+            return logprobs.logprobs
+        return [logprobs.logprobs[logprobs.token_ids.index(t, a, b)]
+                for t, a, b in zip(ids, logprobs.start_indices, logprobs.end_indices)]
+    return [lp[t].logprob for lp, t in zip(logprobs, ids)]
+
+
 class VLLMSampler:
     def __init__(self, model_path: str, precision: str, seed: int, max_model_len: int, tp: int = 1,
                  gpu_memory_utilization: float = 0.3, sleep_level: int = 1, kv_cache_gib: float = 0.0):
@@ -117,8 +128,11 @@ class VLLMSampler:
             offset = sum(len(g) for g in gathered[:dist.get_rank(self.tp_group)])
             prompts = [p for g in gathered for p in g]
         greedy = temperature <= 0
+        # flat_logprobs: the log-probs come back as flat lists per response rather than a dict and a Logprob object per
+        # token, which the engine builds inside its decode loop (in this process: external_launcher keeps the engine
+        # in-process). On one H100, 64 x 8 responses up to 1,024 tokens sampled 10-20% faster
         params = SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
-                                max_tokens=max_new_tokens, logprobs=0, detokenize=False)
+                                max_tokens=max_new_tokens, logprobs=0, detokenize=False, flat_logprobs=True)
         # the same (possibly empty) list on every rank of a TP group, so all of them call the engine or none does
         outputs = (self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
                    if prompts else [])
@@ -130,7 +144,6 @@ class VLLMSampler:
                 ids = list(c.token_ids)
                 out.prompt_ids.append(prompt)
                 out.response_ids.append(ids)
-                out.logprobs.append(torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, ids)],
-                                                 dtype=torch.float32))
+                out.logprobs.append(torch.tensor(_sampled_logprobs(c.logprobs, ids), dtype=torch.float32))
                 out.finished.append(c.finish_reason == "stop")
         return out

@@ -107,3 +107,21 @@ def test_grpo_with_vllm_under_torchrun(tmp_path, tp):
         # fp32 on both sides: the sampler's and the trainer's probabilities agree to rounding (regression guard
         # for the plumbing of mu_logp: a misaligned or wrong-temperature mu gives kl_k3 of 1e-2 or more)
         assert r["mismatch/kl_k3"] < 1e-8 and abs(r["mismatch/seq_log_ratio_mean"]) < 1e-3
+
+
+def test_sampled_logprobs_from_either_form():
+    """The sampled tokens' log-probs from vLLM's flat form (one entry per position, or more where a position also
+    lists other tokens) and from its list of dicts are the same numbers, in order."""
+    from vllm.logprobs import FlatLogprobs, Logprob
+    from common.vllm_sampler import _sampled_logprobs
+    ids = [5, 9, 5]
+    dicts = [{5: Logprob(-0.5)}, {9: Logprob(-1.25), 2: Logprob(-0.1)}, {7: Logprob(-3.0), 5: Logprob(-2.0)}]
+    flat = FlatLogprobs()
+    for d in dicts:
+        flat.append(d)
+    assert _sampled_logprobs(dicts, ids) == [-0.5, -1.25, -2.0]
+    assert _sampled_logprobs(flat, ids) == [-0.5, -1.25, -2.0]
+    one = FlatLogprobs()
+    for t, lp in zip(ids, (-0.5, -1.25, -2.0)):
+        one.append({t: Logprob(lp)})
+    assert _sampled_logprobs(one, ids) == [-0.5, -1.25, -2.0]
