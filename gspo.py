@@ -147,6 +147,9 @@ class Args:
     a model whose training state does not fit the GPUs. Costs 16 bytes of pinned host memory per parameter (over all
     ranks) and time: every forward and backward copies each layer's weights to the GPU and its gradients back, and
     AdamW runs on the CPU"""
+    compile: bool = True
+    """torch.compile each decoder layer of the trainer on a GPU (fuses its many small kernels; the first steps and
+    each new micro-batch shape pay a compilation of seconds, the rest run faster); no effect on a CPU"""
     logprob_chunk: int = 2048
     """tokens per chunk of the fp32 log-prob head (bounds its memory at chunk x vocab floats)"""
     # --- faults
@@ -281,7 +284,7 @@ def main(args: Args) -> None:
     # --- models: the trainer (FSDP2, fp32 master weights) and the sampler (its own copy, rollout precision)
     weights_path = resume_dir or model_path
     model = load_policy(weights_path, DTYPES[train_prec], device, args.gradient_checkpointing,
-                        cpu_offload=args.cpu_offload)
+                        cpu_offload=args.cpu_offload, compile=args.compile and device.type == "cuda")
     params = [p for p in model.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     scaler = LossScaler(enabled=train_prec == "fp16", max_consecutive_skips=args.max_skipped_steps)

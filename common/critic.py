@@ -55,7 +55,7 @@ def init_value_head(hidden_size: int, seed: int) -> nn.Linear:
 
 
 def load_critic(path: str, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool, seed: int,
-                attn_implementation: str = "sdpa", cpu_offload: bool = False) -> CriticModel:
+                attn_implementation: str = "sdpa", cpu_offload: bool = False, compile: bool = False) -> CriticModel:
     """Load fp32 master weights from the model directory `path` (the policy's, or a critic checkpoint), add the value
     head (from `path`'s trainer_state.json when it is a critic checkpoint, else a fresh one from `seed`), shard with
     FSDP2 as load_policy does and return the CriticModel (the FSDP root)."""
@@ -67,7 +67,8 @@ def load_critic(path: str, param_dtype: torch.dtype, device: torch.device, gradi
                 head.weight.copy_(torch.tensor(saved["weight"], dtype=torch.float32))
                 head.bias.copy_(torch.tensor(saved["bias"], dtype=torch.float32))
         return CriticModel(lm, head)  # the FSDP root: embedding, final norm, (unused) lm_head, value head
-    return load_sharded(path, wrap, param_dtype, device, gradient_checkpointing, attn_implementation, cpu_offload)
+    return load_sharded(path, wrap, param_dtype, device, gradient_checkpointing, attn_implementation, cpu_offload,
+                        compile)
 
 
 # The value head is not part of the Hugging Face model, so save_checkpoint (which writes the `lm` child) does not

@@ -52,7 +52,7 @@ def without_dropout(config) -> dict:
 
 
 def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool,
-                 attn_implementation: str = "sdpa", cpu_offload: bool = False) -> nn.Module:
+                 attn_implementation: str = "sdpa", cpu_offload: bool = False, compile: bool = False) -> nn.Module:
     """Build a Hugging Face causal LM with fp32 master weights, wrap it (`wrap(lm)` -> the root module, e.g.
     PolicyModel), and shard with FSDP2: each decoder layer, then the root, which so owns the embedding, the final norm
     and the lm_head (kept together: they may be tied) and whatever the wrapper adds. Dropout is off (without_dropout),
@@ -65,7 +65,9 @@ def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device
 
     cpu_offload: the sharded fp32 parameters (and so their gradients and the optimizer's states) stay in CPU memory;
     FSDP2 copies each group's shards to `device` before its all-gather and the reduced gradients back. Buffers stay
-    on `device`, where the forward reads them."""
+    on `device`, where the forward reads them.
+
+    compile: torch.compile each decoder layer's forward (compile_layers)."""
     config = AutoConfig.from_pretrained(path)
     without_dropout(config)
     with _parameters_on_meta():
@@ -104,7 +106,25 @@ def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device
             if name in built:
                 local, offset = _local_rows(p)
                 local.copy_(built[name][offset:offset + local.shape[0]])
+    if compile:
+        compile_layers(lm)
     return model
+
+
+def compile_layers(lm: nn.Module) -> None:
+    """torch.compile the forward of each decoder layer, in place. A layer of a small model is dozens of small
+    elementwise kernels (norms, rotary embedding, activation, casts) that compiling fuses: on one H100 the trainer's
+    phases of a GRPO step on SmolLM2-135M ran 1.4-1.7x faster. Only the forward is compiled, so FSDP2's hooks
+    (all-gather, reduce-scatter), gradient checkpointing and the parameter names stay as they are (wrapping the
+    module instead would rename every parameter). Layers share one compiled graph per case: a micro-batch's shapes
+    (dynamic after the first change), grad mode (the no-grad recompute or training), train/eval mode and whether
+    there is a padding mask (none when a micro-batch has no padding); the recompile limit is raised to cover these
+    cases, since past it dynamo falls back to eager for new ones, and a checkpointed layer recomputed eagerly after
+    a compiled forward fails checkpointing's metadata check."""
+    import torch._dynamo
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    for layer in decoder_layers(lm):
+        layer.forward = torch.compile(layer.forward)
 
 
 @contextmanager
@@ -164,13 +184,14 @@ def read_shards(path: str, params: dict[str, torch.Tensor]) -> None:
 
 
 def load_policy(path: str, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool,
-                attn_implementation: str = "sdpa", cpu_offload: bool = False) -> PolicyModel:
+                attn_implementation: str = "sdpa", cpu_offload: bool = False, compile: bool = False) -> PolicyModel:
     """The policy: the FSDP2-sharded PolicyModel wrapper (its forward returns the response tokens' log-probs)."""
     def wrap(lm):
         if lm.lm_head.bias is not None:
             raise ValueError("lm_head with a bias is not supported by the chunked log-prob head")
         return PolicyModel(lm)
-    return load_sharded(path, wrap, param_dtype, device, gradient_checkpointing, attn_implementation, cpu_offload)
+    return load_sharded(path, wrap, param_dtype, device, gradient_checkpointing, attn_implementation, cpu_offload,
+                        compile)
 
 
 def tied_aliases(lm: nn.Module) -> dict[str, list[str]]:

@@ -2,6 +2,7 @@
 mode (gradient checkpointing acts only there)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -91,3 +92,46 @@ def test_cpu_offload_takes_the_same_step(tmp_path, nproc):
         (n_plain, _), (n_offload, total) = r["offloaded"]
         assert n_plain == 0 and n_offload == total > 0, r  # every parameter under the offload policy
         assert r["devices_offload"] == {"grads": ["cpu"], "params": ["cpu"], "adamw": ["cpu"]}, r
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on a CPU needs a C++ compiler")
+def test_compiled_layers_give_the_same_numbers(tmp_path, process_group):
+    """compile_layers (the scripts' --compile, used on GPUs) changes no number: the same no-grad log-probs (the
+    recompute), then the same training log-probs, loss and gradients over micro-batches of other shapes, with and
+    without padding, through gradient checkpointing (fp32 on CPU; tolerance for the fused kernels' rounding), and
+    the parameters keep their Hugging Face names."""
+    from common.fsdp import load_policy
+    from common.logprobs import collate
+    _, _, device = process_group
+    path = make_tiny_model_dir(str(tmp_path / "m"))
+    batches = [collate([[4, 5, 13, 6, 14], [7, 14]], [[5, 6, 7, 1], [8, 9]], 0, device),  # padded
+               collate([[4, 5, 6], [7, 8, 9]], [[5, 6, 7], [8, 9, 10]], 0, device),  # no padding: no mask
+               collate([[3, 4], [5, 6], [7, 8]], [[9, 10, 11, 12, 13], [14], [9, 9]], 0, device)]
+    from torch._dynamo.utils import counters
+    counters.clear()
+    runs = []
+    for compiled in (False, True):
+        model = load_policy(path, torch.float32, device, gradient_checkpointing=True, compile=compiled)
+        out = {"names": [n for n, _ in model.named_parameters()]}
+        with torch.no_grad():
+            out["recompute"] = [model(*b, 1.0, 16, with_entropy=True) for b in batches]
+        model.train()
+        out["train"] = []
+        for b in batches:
+            logp, _ = model(*b, 0.7, 16)
+            (logp.sum() / 10).backward()
+            out["train"].append(logp.detach())
+        out["grads"] = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        runs.append(out)
+    eager, comp = runs
+    assert eager["names"] == comp["names"]
+    assert counters["stats"]["unique_graphs"] >= 1  # compiled for real, not run eagerly
+    for (a, ea), (b, eb) in zip(eager["recompute"], comp["recompute"]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(eb, ea, rtol=1e-5, atol=1e-5)
+    for a, b in zip(eager["train"], comp["train"]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    for n, g in eager["grads"].items():
+        assert g.abs().max() > 0, n
+        torch.testing.assert_close(comp["grads"][n], g, rtol=1e-4, atol=1e-6)
