@@ -12,14 +12,21 @@ steps 3 and 5); the samplers are common.sampler.HFSampler and common.vllm_sample
   sampler         generated tokens/s at batch 64 and 256: HFSampler (CUDA-graph decoding), transformers'
                   generate, VLLMSampler (in a subprocess: one vLLM engine per process)
   sync            trainer -> sampler weight sync time, and the sampler's log-probs against the trainer's after a sync
-  rl_step         grpo.py --sampler vllm for 3 steps on the 1.5B shape: time per phase from metrics.jsonl
-                  (not in the default set: it takes several minutes)
+  rl_step         grpo.py --sampler vllm for a few steps: time per phase from metrics.jsonl, on the random model and
+                  synthetic prompts, or on a real model and dataset (--rl-model, --rl-dataset); --rl-runs runs it
+                  several times side by side (other flags, or an older checkout of the code: before/after)
+  vllm_generate   the same vLLM engine standalone on grpo.py's first batches (same prompts, seed and settings):
+                  llm.generate against VLLMSampler.generate, and sleep/wake at level 1 (what rl_step's sampling
+                  phase should come close to)
+  (rl_step and vllm_generate are not in the default set: they take minutes)
 
     python bench/benchmark.py --shape 1.5b --only matmul,trainer,logprob_memory,sync --out-dir $OUT
     python bench/benchmark.py --shape 1.5b --only sampler --out-dir $OUT
     torchrun --nproc_per_node 2 bench/benchmark.py --shape 1.5b --only trainer --name 1.5b_2gpu
     python bench/benchmark.py --render a.json b.json --name all      # one Markdown table from several runs
     python bench/benchmark.py --shape tiny                           # everything on a CPU in seconds (the test)
+    python bench/benchmark.py --only rl_step,vllm_generate --rl-model DIR --rl-dataset train.jsonl \
+        --rl-runs "before@../old-checkout:" "after:" "after_eager:--no-compile" --name real   # side by side
 
 Results go to <out-dir>/<name>.json and .md, rewritten after every measurement (a run cut short keeps what it
 finished); sections already in that JSON and not run again are kept. Needs no tyro (argparse), so it runs with
@@ -69,7 +76,7 @@ PRESETS = {
                  rl_num_prompts=4, rl_group_size=2, rl_max_response_len=8, rl_max_prompt_len=32, rl_steps=2),
 }
 DEFAULT_SECTIONS = ["matmul", "trainer", "logprob_memory", "sampler", "sync"]
-ALL_SECTIONS = DEFAULT_SECTIONS + ["rl_step"]
+ALL_SECTIONS = DEFAULT_SECTIONS + ["rl_step", "vllm_generate"]
 ALPHANUMERIC = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 SAMPLER_VARIANTS = ["graph", "eager_static", "dynamic", "hf_generate", "vllm"]
 GIB = 2**30
@@ -92,6 +99,8 @@ def parse_args(argv=None):
     ap.add_argument("--micro-batch-tokens", type=int, help="token budget of a micro-batch (grpo.py's flag)")
     ap.add_argument("--num-minibatches", type=int, default=1, help="optimizer steps per trainer step")
     ap.add_argument("--gradient-checkpointing", choices=["on", "off"], default="on")
+    ap.add_argument("--compile", choices=["on", "off"], default="on",
+                    help="torch.compile the decoder layers (the scripts' --compile; GPU only)")
     ap.add_argument("--iters", type=int, default=3, help="timed trainer steps (after one warm-up step)")
     # matmul, log-prob memory
     ap.add_argument("--matmul-n", type=int, help="n of the n x n x n matmuls")
@@ -113,9 +122,18 @@ def parse_args(argv=None):
     ap.add_argument("--rl-max-response-len", type=int)
     ap.add_argument("--rl-max-prompt-len", type=int)
     ap.add_argument("--rl-steps", type=int)
+    ap.add_argument("--rl-model", help="a model directory for rl_step and vllm_generate (default: the random model)")
+    ap.add_argument("--rl-dataset", help="its training problems (default: synthetic prompts)")
+    ap.add_argument("--rl-prompt-template", default="{problem}", help="grpo.py's --prompt-template")
+    ap.add_argument("--rl-reward", default="exact", help="grpo.py's --reward")
+    ap.add_argument("--rl-runs", nargs="+", default=["grpo:"], metavar="LABEL[@DIR]:[ARGS]",
+                    help="rl_step's runs, one after the other: a label, optionally @ the directory of another checkout "
+                         "of this code to run grpo.py from (e.g. an older commit: before/after), then ':' and extra "
+                         "grpo.py flags")
     # other modes
     ap.add_argument("--render", nargs="+", metavar="JSON", help="only render these result files into <name>.md")
     ap.add_argument("--vllm-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--vllm-generate-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for key, value in PRESETS["tiny" if args.shape == "tiny" else "real"].items():
         if getattr(args, key) is None:
@@ -125,12 +143,24 @@ def parse_args(argv=None):
     args.precisions = args.precisions.split(",")
     args.only = args.only.split(",")
     args.sampler_variants = args.sampler_variants.split(",")
+    args.rl_runs = [parse_rl_run(r, ap) for r in args.rl_runs]
     for name, allowed in ((args.only, ALL_SECTIONS), (args.sampler_variants, SAMPLER_VARIANTS),
                           (args.precisions, list(DTYPES))):
         bad = [x for x in name if x not in allowed]
         if bad:
             ap.error(f"unknown {bad}: choose from {allowed}")
     return args
+
+
+def parse_rl_run(spec: str, ap) -> dict:
+    """'LABEL[@DIR]:[ARGS]' -> {label, dir (None: this checkout), args}."""
+    head, sep, extra = spec.partition(":")
+    label, _, code_dir = head.partition("@")
+    if not sep or not label:
+        ap.error(f"--rl-runs {spec!r}: expected LABEL[@DIR]:[ARGS]")
+    if code_dir and not os.path.isfile(os.path.join(code_dir, "grpo.py")):
+        ap.error(f"--rl-runs {spec!r}: no grpo.py in {code_dir}")
+    return {"label": label, "dir": code_dir or None, "args": extra.split()}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -367,7 +397,8 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
     for precision in args.precisions:
         model = optimizer = params = None
         try:
-            model = load_policy(model_dir, DTYPES[precision], device, args.gradient_checkpointing == "on")
+            model = load_policy(model_dir, DTYPES[precision], device, args.gradient_checkpointing == "on",
+                                compile=args.compile == "on" and device.type == "cuda")
             params = list(model.parameters())
             optimizer = torch.optim.AdamW(params, lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0)  # grpo.py's
             scaler = LossScaler(enabled=precision == "fp16")
@@ -380,6 +411,7 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
                 row = {"precision": precision, "prompt": args.prompt_len, "response": resp_len,
                        "seqs": args.num_seqs, "tokens": tokens, "micro_batches": n_micro,
                        "micro_batch_tokens": args.micro_batch_tokens, "grad_ckpt": args.gradient_checkpointing,
+                       "compile": "on" if args.compile == "on" and device.type == "cuda" else "off",
                        "ranks": world_size}
                 try:
                     print0(f"[{now()}] trainer {precision} {args.num_seqs} x ({args.prompt_len}+{resp_len}): warm-up")
@@ -697,63 +729,176 @@ def bench_sync(res: Results, args, model_dir, device):
 # ----------------------------------------------------------------------------------------------------------------
 # a whole RL step: grpo.py --sampler vllm
 
+def rl_task(args, model_dir) -> tuple[str, str]:
+    """(model directory, training file) of rl_step and vllm_generate: --rl-model / --rl-dataset, else the random
+    model and synthetic prompts (prompt_len random letters and digits, one token each, and an answer never sampled:
+    every reward is 0, which changes no timing)."""
+    if args.rl_dataset:
+        return args.rl_model or model_dir, args.rl_dataset
+    data = os.path.join(tempfile.gettempdir(), f"rl-bench-prompts-{args.shape}-{args.prompt_len}-{args.seed}.jsonl")
+    if not os.path.isfile(data):
+        n = args.rl_num_prompts * args.rl_steps
+        with open(data + ".tmp", "w") as f:
+            for p in random_prompts(n, args.prompt_len, len(ALPHANUMERIC) + 2, args.seed + 5):
+                f.write(json.dumps({"problem": " ".join(ALPHANUMERIC[i] for i in p), "answer": "t99"}) + "\n")
+        os.replace(data + ".tmp", data)
+    return args.rl_model or model_dir, data
+
+
+def rl_flags(args, model, data) -> list[str]:
+    """grpo.py's flags for rl_step, and the settings vllm_generate copies."""
+    return ["--model", model, "--dataset", data, "--sampler", args.rl_sampler, "--num-steps", str(args.rl_steps),
+            "--num-prompts", str(args.rl_num_prompts), "--group-size", str(args.rl_group_size),
+            "--max-response-len", str(args.rl_max_response_len), "--max-prompt-len", str(args.rl_max_prompt_len),
+            "--eval-every", "0", "--save-every", "0", "--precision", args.precisions[0], "--reward", args.rl_reward,
+            "--prompt-template", args.rl_prompt_template, "--seed", str(args.seed)]
+
+
 def bench_rl_step(res: Results, args, model_dir):
-    """grpo.py for a few steps on the random model and a synthetic dataset (prompts of prompt_len random letters and
-    digits, one token each; reward 'exact' against an answer never sampled: every reward is 0, which changes no
-    timing), then time/* (and mem/* where grpo.py logs them) per step from its metrics.jsonl."""
-    V = SHAPES[args.shape]["vocab_size"]
-    work = tempfile.mkdtemp(prefix="rl-bench-step-")
-    data = os.path.join(work, "prompts.jsonl")
-    n_problems = args.rl_num_prompts * args.rl_steps
-    with open(data, "w") as f:
-        for p in random_prompts(n_problems, args.prompt_len, len(ALPHANUMERIC) + 2, args.seed + 5):
-            f.write(json.dumps({"problem": " ".join(ALPHANUMERIC[i] for i in p), "answer": "t99"}) + "\n")
-    precision = args.precisions[0]
-    cmd = [sys.executable, "grpo.py", "--model", model_dir, "--dataset", data, "--sampler", args.rl_sampler,
-           "--num-steps", str(args.rl_steps), "--num-prompts", str(args.rl_num_prompts),
-           "--group-size", str(args.rl_group_size), "--max-response-len", str(args.rl_max_response_len),
-           "--max-prompt-len", str(args.rl_max_prompt_len), "--eval-every", "0", "--save-every", "0",
-           "--precision", precision, "--reward", "exact", "--prompt-template", "{problem}",
-           "--run-dir", os.path.join(work, "run")]
-    shown = " ".join(cmd[1:]).replace(model_dir, "<model>").replace(data, "<prompts>").replace(work, "<tmp>")
-    res.start("rl_step", {"command": shown, "steps": []})
-    print0(f"[{now()}] rl_step: {' '.join(cmd[1:])}")
-    metrics_path = os.path.join(work, "run", "metrics.jsonl")
-    keep = ("step", "time/", "mem/", "perf/", "train/response_len_mean", "mismatch/kl_k3")
+    """grpo.py for a few steps per --rl-runs entry, one after the other on the same GPU, then time/* (and mem/*,
+    perf/*) per step from its metrics.jsonl. Runs from another checkout (LABEL@DIR) use that code: a before/after
+    comparison in one benchmark run."""
+    model, data = rl_task(args, model_dir)
+    res.start("rl_step", {"runs": []})
+    keep = ("step", "time/", "mem/", "perf/", "train/response_len_mean", "train/truncated_frac", "mismatch/kl_k3")
+    for run in args.rl_runs:
+        work = tempfile.mkdtemp(prefix="rl-bench-step-")
+        metrics_path = os.path.join(work, "run", "metrics.jsonl")
+        cmd = [sys.executable, "grpo.py", *rl_flags(args, model, data), "--run-dir", os.path.join(work, "run"),
+               *run["args"]]
+        shown = " ".join(cmd[1:]).replace(model, "<model>").replace(data, "<prompts>").replace(work, "<tmp>")
+        entry = {"label": run["label"], "code": "an other checkout" if run["dir"] else "this checkout",
+                 "command": shown, "steps": []}
+        res.data["rl_step"]["runs"].append(entry)
+        res.write()
+        print0(f"[{now()}] rl_step {run['label']}: {' '.join(cmd[1:])}" + (f" (in {run['dir']})" if run["dir"] else ""))
 
-    def read_steps() -> list[dict]:
-        if not os.path.isfile(metrics_path):
-            return []
-        rows = []
-        with open(metrics_path) as f:
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:  # a line being written
-                    pass
-        return [{k: v for k, v in r.items() if k.startswith(keep)} for r in rows if "time/step" in r]
+        def read_steps() -> list[dict]:
+            if not os.path.isfile(metrics_path):
+                return []
+            rows = []
+            with open(metrics_path) as f:
+                for line in f:
+                    try:
+                        rows.append(json.loads(line))
+                    except ValueError:  # a line being written
+                        pass
+            return [{k: v for k, v in r.items() if k.startswith(keep)} for r in rows if "time/step" in r]
 
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    tail, steps = [], []
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, cwd=run["dir"] or ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        tail = []
+        for line in p.stdout:
+            tail = (tail + [line.rstrip()])[-40:]
+            if line.startswith("[") or "error" in line.lower():
+                print0("  " + line.rstrip())
+            new = read_steps()  # recorded as they come: a run cut short (e.g. in the final checkpoint) keeps them
+            if len(new) > len(entry["steps"]):
+                entry["steps"], entry["wall_s"] = new, round(time.perf_counter() - t0, 1)
+                res.write()
+        p.wait()
+        entry["wall_s"] = round(time.perf_counter() - t0, 1)
+        entry["steps"] = read_steps()
+        if p.returncode != 0:
+            res.note(f"rl_step {run['label']}: grpo.py exited {p.returncode}; its last lines: " + " | ".join(tail[-8:]))
+        res.write()
+        for st in entry["steps"]:
+            print0(f"[{now()}] rl_step {run['label']} step {st.get('step')}: " + ", ".join(
+                f"{k[5:]} {v:.2f}s" for k, v in st.items() if k.startswith("time/")))
+
+
+def phase_means(steps: list[dict]) -> dict:
+    """{phase: mean seconds} over the steps after the first (which carries one-time costs: compilation, CUDA graph
+    capture, the allocator's growth); the first step alone when there is no other."""
+    later = steps[1:] or steps
+    out = {}
+    for ph in ("sample", "recompute", "train", "sync", "step"):
+        vals = [st[f"time/{ph}"] for st in later if isinstance(st.get(f"time/{ph}"), (int, float))]
+        out[ph] = sum(vals) / len(vals) if vals else None
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the same vLLM engine standalone
+
+def bench_vllm_generate(res: Results, args, model_dir):
+    """In a subprocess (one vLLM engine per process): the batches of grpo.py's first rl_steps steps (the same
+    problems, template, order and seed), sampled by a VLLMSampler made as grpo.py makes it, timed as the engine's own
+    llm.generate (the same SamplingParams) and as VLLMSampler.generate; then sleep() and wake_up() at level 1."""
+    if importlib.util.find_spec("vllm") is None:
+        res.note("vllm_generate: vLLM is not importable here")
+        return
+    model, data = rl_task(args, model_dir)
+    res.start("vllm_generate", [])
+    cmd = [sys.executable, os.path.abspath(__file__), "--vllm-generate-child", json.dumps(
+        {"model": model, "data": data, "template": args.rl_prompt_template, "seed": args.seed,
+         "precision": args.precisions[0], "num_prompts": args.rl_num_prompts, "group_size": args.rl_group_size,
+         "max_prompt_len": args.rl_max_prompt_len, "max_response_len": args.rl_max_response_len,
+         "steps": args.rl_steps, "gpu_memory_utilization": args.vllm_gpu_memory_utilization})]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    print0(f"[{now()}] vllm_generate: starting the engine in a subprocess")
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail = []
     for line in p.stdout:
         tail = (tail + [line.rstrip()])[-40:]
-        if line.startswith("[") or "error" in line.lower():
-            print0("  " + line.rstrip())
-        new = read_steps()  # recorded as they come: a run cut short (e.g. in the final checkpoint) keeps them
-        if len(new) > len(steps):
-            steps = res.data["rl_step"]["steps"] = new
-            res.data["rl_step"]["wall_s"] = round(time.perf_counter() - t0, 1)
-            res.write()
+        if line.startswith("ROW "):
+            res.add("vllm_generate", json.loads(line[len("ROW "):]))
+            print0(f"[{now()}] vllm_generate {line[4:].rstrip()}")
     p.wait()
-    res.data["rl_step"]["wall_s"] = round(time.perf_counter() - t0, 1)
-    steps = res.data["rl_step"]["steps"] = read_steps()
     if p.returncode != 0:
-        res.note(f"rl_step: grpo.py exited {p.returncode}; its last lines: " + " | ".join(tail[-8:]))
-    res.write()
-    for s in steps:
-        print0(f"[{now()}] rl_step step {s.get('step')}: " + ", ".join(
-            f"{k[5:]} {v:.2f}s" for k, v in s.items() if k.startswith("time/")))
+        res.note(f"vllm_generate: the subprocess failed (exit {p.returncode}); its last lines: " + " | ".join(tail[-8:]))
+
+
+def vllm_generate_child(spec: dict) -> None:
+    import numpy as np
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from common.data import encode_problems, load_problems
+    from common.vllm_sampler import VLLMSampler
+    setup_distributed()
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    problems = encode_problems(tokenizer, load_problems(spec["data"]), spec["template"], spec["max_prompt_len"],
+                               spec["data"])
+    order = np.random.default_rng([spec["seed"], 0]).permutation(len(problems))  # grpo.py's first epoch
+    sampler = VLLMSampler(spec["model"], spec["precision"], seed=spec["seed"],
+                          max_model_len=spec["max_prompt_len"] + spec["max_response_len"],
+                          gpu_memory_utilization=spec["gpu_memory_utilization"], sleep_level=1)
+    P, G = spec["num_prompts"], spec["group_size"]
+    for step in range(spec["steps"]):
+        idx = [order[j % len(problems)] for j in range(step * P, (step + 1) * P)]
+        prompts = [problems[i]["prompt_ids"] for i in idx]
+        # what VLLMSampler.generate asks of the engine
+        params = SamplingParams(n=G, temperature=1.0, top_p=1.0, max_tokens=spec["max_response_len"], logprobs=0,
+                                detokenize=False, flat_logprobs=True)
+        sync()
+        t0 = time.perf_counter()
+        outs = sampler.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        sync()
+        t_engine = time.perf_counter() - t0
+        n_engine = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        t0 = time.perf_counter()
+        out = sampler.generate(prompts, G, spec["max_response_len"], 1.0)
+        sync()
+        t_sampler = time.perf_counter() - t0
+        n_sampler = sum(map(len, out.response_ids))
+        t0 = time.perf_counter()
+        sampler.sleep()
+        sync()
+        t_sleep = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        sampler.wake_up()
+        sync()
+        t_wake = time.perf_counter() - t0
+        row = {"batch": step + 1, "sequences": P * G, "llm_generate_s": round(t_engine, 3),
+               "llm_generate_tokens": n_engine, "llm_generate_tok_s": round(n_engine / t_engine),
+               "sampler_generate_s": round(t_sampler, 3), "sampler_generate_tokens": n_sampler,
+               "sampler_generate_tok_s": round(n_sampler / t_sampler), "sleep_s": round(t_sleep, 3),
+               "wake_s": round(t_wake, 3)}
+        print("ROW " + json.dumps(row), flush=True)
+    sampler.shutdown()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -803,7 +948,8 @@ def render_markdown(data: dict) -> str:
                   "counted, nor gradient checkpointing's extra forward.", "",
                   _table(rows, [
                       ("precision", "precision"), ("prompt + response", "lengths"), ("seqs", "seqs"),
-                      ("micro-batches", "micro_batches"), ("grad ckpt", "grad_ckpt"), ("ranks", "ranks"),
+                      ("micro-batches", "micro_batches"), ("grad ckpt", "grad_ckpt"), ("compile", "compile"),
+                      ("ranks", "ranks"),
                       ("recompute tok/s", "recompute_tok_s"), ("train tok/s", "train_tok_s"),
                       ("whole tok/s", "whole_tok_s"), ("MFU train (6N)", "mfu_train"), ("MFU whole (8N)", "mfu_whole"),
                       ("step s", "step_s"), ("peak GiB recompute", "peak_gib_recompute"),
@@ -836,26 +982,49 @@ def render_markdown(data: dict) -> str:
             ("tokens", "tokens"), ("kl_k3", "kl_k3"), ("max abs diff", "max_abs_logprob_diff")]), ""]
     rl = data.get("rl_step")
     if rl:
-        steps = rl.get("steps", [])
-        order = ["time/sample", "time/recompute", "time/train", "time/sync", "time/step"]
-        keys = sorted({k for s in steps for k in s if k != "step"},
-                      key=lambda k: (order.index(k) if k in order else len(order), not k.startswith("mem/"), k))
-        lines += ["## A whole RL step (grpo.py)", "", f"`python {rl.get('command')}` ({rl.get('wall_s')} s wall, "
-                  "with start-up and the final checkpoint). Per phase: mean over the steps after the first; memory "
-                  "from grpo.py's mem/* (GPU only; sample: while the sampler is awake).", ""]
-        if steps:
-            # per phase, averaged over the steps after the first (which carries one-time start-up costs)
-            later = steps[1:] or steps
-            phases = []
-            for ph in ("sample", "recompute", "train", "sync", "step"):
-                row = {"phase": ph}
-                for col, key in (("s", f"time/{ph}"), ("peak", f"mem/{ph}_peak_gib"), ("used", f"mem/{ph}_used_gib")):
-                    vals = [st[key] for st in later if isinstance(st.get(key), (int, float))]
-                    row[col] = sum(vals) / len(vals) if vals else None
-                phases.append(row)
-            lines += [_table(phases, [("phase", "phase"), ("seconds", "s"), ("PyTorch peak GiB", "peak"),
-                                      ("GPU in use at its end, GiB", "used")]), "",
-                      _table(steps, [("step", "step")] + [(k, k) for k in keys]), ""]
+        runs = rl.get("runs") or ([{"label": "grpo", **rl}] if rl.get("steps") else [])  # (results of before 11/2026)
+        lines += ["## A whole RL step (grpo.py)", "", "Per phase: mean over the steps after the first (which carries "
+                  "one-time costs); memory from grpo.py's mem/* (GPU only; sample: while the sampler is awake).", ""]
+        if len(runs) > 1:
+            rows = []
+            first = phase_means(runs[0].get("steps", [])).get("step")
+            for r in runs:
+                m = phase_means(r.get("steps", []))
+                rows.append({"label": r["label"], "code": r.get("code"), **m,
+                             "speedup": first / m["step"] if first and m.get("step") else None})
+            lines += [_table(rows, [("run", "label"), ("code", "code"), ("sample s", "sample"),
+                                    ("recompute s", "recompute"), ("train s", "train"), ("sync s", "sync"),
+                                    ("step s", "step"), (f"x {runs[0]['label']}", "speedup")]), ""]
+        for r in runs:
+            steps = r.get("steps", [])
+            order = ["time/sample", "time/recompute", "time/train", "time/sync", "time/step"]
+            keys = sorted({k for s in steps for k in s if k != "step"},
+                          key=lambda k: (order.index(k) if k in order else len(order), not k.startswith("mem/"), k))
+            lines += [f"### {r['label']}", "", f"`python {r.get('command')}` ({r.get('code', 'this checkout')}; "
+                      f"{r.get('wall_s')} s wall, with start-up and the final checkpoint)", ""]
+            if steps:
+                later = steps[1:] or steps
+                phases = []
+                for ph in ("sample", "recompute", "train", "sync", "step"):
+                    row = {"phase": ph, "s": phase_means(steps)[ph]}
+                    for col, key in (("peak", f"mem/{ph}_peak_gib"), ("used", f"mem/{ph}_used_gib")):
+                        vals = [st[key] for st in later if isinstance(st.get(key), (int, float))]
+                        row[col] = sum(vals) / len(vals) if vals else None
+                    phases.append(row)
+                lines += [_table(phases, [("phase", "phase"), ("seconds", "s"), ("PyTorch peak GiB", "peak"),
+                                          ("GPU in use at its end, GiB", "used")]), "",
+                          _table(steps, [("step", "step")] + [(k, k) for k in keys]), ""]
+    if data.get("vllm_generate"):
+        lines += ["## The same vLLM engine standalone (grpo.py's first batches)", "",
+                  "llm.generate: the engine's own call with VLLMSampler's SamplingParams; VLLMSampler.generate: the "
+                  "same plus its conversion of the outputs (what grpo.py's sampling phase runs between wake_up and "
+                  "sleep). Sampled anew each time, so token counts differ a little.", "",
+                  _table(data["vllm_generate"], [
+                      ("batch", "batch"), ("sequences", "sequences"), ("llm.generate s", "llm_generate_s"),
+                      ("tokens", "llm_generate_tokens"), ("tok/s", "llm_generate_tok_s"),
+                      ("VLLMSampler.generate s", "sampler_generate_s"), ("tokens", "sampler_generate_tokens"),
+                      ("tok/s", "sampler_generate_tok_s"), ("sleep s (level 1)", "sleep_s"), ("wake s", "wake_s")]),
+                  ""]
     if data.get("notes"):
         lines += ["## Notes", ""] + [f"- {n}" for n in data["notes"]] + [""]
     return "\n".join(lines)
@@ -887,6 +1056,8 @@ def main(argv=None):
         return
     if args.vllm_child:
         return vllm_child(args)
+    if args.vllm_generate_child:
+        return vllm_generate_child(json.loads(args.vllm_generate_child))
 
     rank, world_size, device = setup_distributed()
     if world_size > 1 and set(args.only) - {"matmul", "trainer"}:
@@ -918,6 +1089,8 @@ def main(argv=None):
         bench_sync(res, args, model_dir, device)
     if "rl_step" in args.only:
         bench_rl_step(res, args, model_dir)
+    if "vllm_generate" in args.only:
+        bench_vllm_generate(res, args, model_dir)
     print0(f"[{now()}] done: {res.path}.md")
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -2,6 +2,7 @@
 the JSON and the Markdown table, the trainer runs under torchrun with 2 processes, grpo.py runs for the rl_step
 section, results of several runs render into one table, and the CUDA-graph check runs with a CPU stand-in for the
 graph. The GPU-only figures (memory, CUDA graphs, vLLM) are skipped with a note."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -36,7 +37,7 @@ def bench_dir(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("bench")
     run(["--only", "matmul,trainer,logprob_memory,sampler,sync,rl_step", "--precisions", "fp32",
          "--sampler-precision", "fp32", "--sampler-variants", "graph,eager_static,dynamic,hf_generate",
-         "--rl-sampler", "hf"], tmp_path)
+         "--rl-sampler", "hf", "--rl-runs", "base:", "other:--lr 1e-5"], tmp_path)
     return tmp_path
 
 
@@ -63,12 +64,16 @@ def test_every_section_writes_rows_and_a_table(bench_dir):
     assert data["sync"][0]["sampler"] == "HFSampler" and data["sync"][0]["s"] > 0
     checks = data["sync_check"]
     assert len(checks) == 2 and all(r["kl_k3"] < 1e-6 for r in checks)  # fp32: the sync moved the new weights in
-    steps = data["rl_step"]["steps"]
-    assert [s["step"] for s in steps] == [1, 2]
-    assert all(s["time/sample"] > 0 and s["time/train"] > 0 and s["time/sync"] > 0 for s in steps)
+    runs = data["rl_step"]["runs"]
+    assert [r["label"] for r in runs] == ["base", "other"] and runs[1]["command"].endswith("--lr 1e-5")
+    for r in runs:
+        steps = r["steps"]
+        assert [s["step"] for s in steps] == [1, 2]
+        assert all(s["time/sample"] > 0 and s["time/train"] > 0 and s["time/sync"] > 0 for s in steps)
     assert any("no CUDA" in n for n in data["notes"])
     for header in ("## Matmul peak", "## Trainer (per GPU)", "MFU train (6N)", "## Log-prob head memory",
-                   "## Samplers", "## Weight sync", "## A whole RL step", "| 16 + 64 |", "time/sample"):
+                   "## Samplers", "## Weight sync", "## A whole RL step", "| 16 + 64 |", "time/sample",
+                   "### other", "| x base |"):
         assert header in md, header
 
 
@@ -116,3 +121,15 @@ def test_graph_vs_eager_check_with_a_stand_in_graph(tmp_path, process_group, mon
     benchmark.graph_vs_eager_check(res, args, model_dir, sampler, prompts, torch.float32, device)
     rows = res.data["sampler_check"]
     assert len(rows) == 2 and all(r["tokens_identical"] and r["max_abs_logprob_diff"] == 0 for r in rows)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllm_generate_on_grpo_batches(tmp_path):
+    """The standalone engine on grpo.py's first batches: one row per batch, both timings, the right sequence count."""
+    run(["--only", "vllm_generate", "--precisions", "fp32", "--rl-steps", "2", "--rl-max-response-len", "8",
+         "--name", "gen"], tmp_path)
+    data, md = load(tmp_path, "gen")
+    rows = data["vllm_generate"]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["sequences"] == 4 * 2 for r in rows)
+    assert all(r["llm_generate_tokens"] > 0 and r["sampler_generate_tok_s"] > 0 for r in rows)
+    assert "## The same vLLM engine standalone" in md
