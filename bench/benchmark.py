@@ -381,7 +381,7 @@ def trainer_step(model, params, optimizer, scaler, prompts, responses, args, pad
             scaler.scale_loss(loss * world_size).backward()
             loss.item()
         scaler.step(params, optimizer, 1.0)
-    model.eval()
+    # (no model.eval(): grpo.py's model stays in train mode, and a compiled layer would recompile for the other mode)
     sync()
     return t_recompute, time.perf_counter() - t0, mem_recompute, peak_gib()
 
@@ -767,7 +767,7 @@ def bench_rl_step(res: Results, args, model_dir):
         cmd = [sys.executable, "grpo.py", *rl_flags(args, model, data), "--run-dir", os.path.join(work, "run"),
                *run["args"]]
         shown = " ".join(cmd[1:]).replace(model, "<model>").replace(data, "<prompts>").replace(work, "<tmp>")
-        entry = {"label": run["label"], "code": "an other checkout" if run["dir"] else "this checkout",
+        entry = {"label": run["label"], "code": "another checkout" if run["dir"] else "this checkout",
                  "command": shown, "steps": []}
         res.data["rl_step"]["runs"].append(entry)
         res.write()
@@ -932,6 +932,9 @@ def render_markdown(data: dict) -> str:
     lines = [f"# Benchmark: {m.get('shape', '?')} shape (Qwen2.5 layout), random weights{size}", "",
              f"GPU: {m.get('gpu')} | ranks: {m.get('ranks')} | torch {m.get('torch')} | transformers "
              f"{m.get('transformers')} | vLLM {m.get('vllm') or 'not installed'} | {m.get('date')}", ""]
+    if m.get("rl_model"):
+        lines += [f"rl_step and vllm_generate ran on {m['rl_model']} (the shape above is the random model of the other "
+                  "sections)", ""]
     if data.get("matmul"):
         lines += ["## Matmul peak (the MFU denominator)", "",
                   _table(data["matmul"], [("dtype", "dtype"), ("n (n x n x n)", "n"),
@@ -1070,7 +1073,10 @@ def main(argv=None):
         dist.barrier()
     n_params = count_params(model_dir)
     name = args.name or (args.shape + (f"_{world_size}gpu" if world_size > 1 else ""))
-    res = Results(args.out_dir, name, environment(world_size, args.shape, n_params), enabled=rank == 0)
+    meta = environment(world_size, args.shape, n_params)
+    if args.rl_model and {"rl_step", "vllm_generate"} & set(args.only):
+        meta["rl_model"] = os.path.basename(os.path.normpath(args.rl_model))  # (its name, not where it lives)
+    res = Results(args.out_dir, name, meta, enabled=rank == 0)
     print0(f"[{now()}] {res.data['meta']}")
     if not torch.cuda.is_available():
         res.note("no CUDA: CPU timings, no memory statistics, no CUDA graphs")

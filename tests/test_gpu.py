@@ -152,8 +152,9 @@ def test_cpu_offload_step_on_gpu(tmp_path, precision):
 def test_compiled_layers_on_gpu(small_model_dir, precision):
     """--compile (the default on a GPU) against eager layers, same weights and batch (the recompute, then a training
     forward and backward with gradient checkpointing): in 16 bits the fused kernels round differently, so the
-    log-probs agree to a tolerance (mean |diff| < 5e-3, max < 0.1 nats) and the gradients point the same way (cosine
-    > 0.999 overall). Prints the figures."""
+    log-probs agree to the format's rounding (mean |diff| < 5e-3 nats in fp16, < 3e-2 in bf16, whose mantissa is 3
+    bits shorter; max < 0.1) and the gradients point the same way (cosine > 0.999 overall). Measured on one H100:
+    fp16 mean 1.1e-3, max 5.1e-3; bf16 mean 8.9e-3, max 4.4e-2; cosines 0.99992 and 0.99985. Prints the figures."""
     from common.dist import setup_distributed
     from common.fsdp import load_policy
     from common.logprobs import collate
@@ -181,7 +182,7 @@ def test_compiled_layers_on_gpu(small_model_dir, precision):
     print(f"\n[gpu] compiled vs eager {precision}: recompute |dlogp| mean {d_rec.mean():.1e} max {d_rec.max():.1e}; "
           f"train mean {d_train.mean():.1e} max {d_train.max():.1e}; gradient cosine {cos:.6f}")
     for d in (d_rec, d_train):
-        assert d.mean() < 5e-3 and d.max() < 0.1
+        assert d.mean() < {"fp16": 5e-3, "bf16": 3e-2}[precision] and d.max() < 0.1
     assert cos > 0.999
 
 
