@@ -130,7 +130,7 @@ class VLLMSampler:
         greedy = temperature <= 0
         # flat_logprobs: the log-probs come back as flat lists per response rather than a dict and a Logprob object per
         # token, which the engine builds inside its decode loop (in this process: external_launcher keeps the engine
-        # in-process). On one H100, 64 x 8 responses up to 1,024 tokens sampled 10-20% faster
+        # in-process). On one H100, 64 x 8 responses up to 1,024 tokens: llm.generate 13-21% faster
         params = SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                                 max_tokens=max_new_tokens, logprobs=0, detokenize=False, flat_logprobs=True)
         # the same (possibly empty) list on every rank of a TP group, so all of them call the engine or none does
