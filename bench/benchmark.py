@@ -392,13 +392,14 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
     recompute; attention's own FLOPs are not counted."""
     res.data.pop("trainer_ratio", None)
     res.start("trainer", [])
+    compiled = args.compile == "on" and device.type == "cuda"  # as the scripts: --compile acts on a GPU only
     pad_id = SHAPES[args.shape]["vocab_size"] - 1
     V = SHAPES[args.shape]["vocab_size"]
     for precision in args.precisions:
         model = optimizer = params = None
         try:
             model = load_policy(model_dir, DTYPES[precision], device, args.gradient_checkpointing == "on",
-                                compile=args.compile == "on" and device.type == "cuda")
+                                compile=compiled)
             params = list(model.parameters())
             optimizer = torch.optim.AdamW(params, lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0)  # grpo.py's
             scaler = LossScaler(enabled=precision == "fp16")
@@ -411,7 +412,7 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
                 row = {"precision": precision, "prompt": args.prompt_len, "response": resp_len,
                        "seqs": args.num_seqs, "tokens": tokens, "micro_batches": n_micro,
                        "micro_batch_tokens": args.micro_batch_tokens, "grad_ckpt": args.gradient_checkpointing,
-                       "compile": "on" if args.compile == "on" and device.type == "cuda" else "off",
+                       "compile": "on" if compiled else "off",
                        "ranks": world_size}
                 try:
                     print0(f"[{now()}] trainer {precision} {args.num_seqs} x ({args.prompt_len}+{resp_len}): warm-up")
@@ -853,26 +854,23 @@ def bench_vllm_generate(res: Results, args, model_dir):
 def vllm_generate_child(spec: dict) -> None:
     import numpy as np
     from transformers import AutoTokenizer
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from common.data import encode_problems, load_problems
-    from common.vllm_sampler import VLLMSampler
-    setup_distributed()
+    from common.sampler import make_sampler
+    _, _, device = setup_distributed()
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     problems = encode_problems(tokenizer, load_problems(spec["data"]), spec["template"], spec["max_prompt_len"],
                                spec["data"])
     order = np.random.default_rng([spec["seed"], 0]).permutation(len(problems))  # grpo.py's first epoch
-    sampler = VLLMSampler(spec["model"], spec["precision"], seed=spec["seed"],
-                          max_model_len=spec["max_prompt_len"] + spec["max_response_len"],
-                          gpu_memory_utilization=spec["gpu_memory_utilization"], sleep_level=1)
+    # rank 0 of grpo.py's engine: the same seed (stream_seed), length limit and memory share, sleep level 1
+    sampler = make_sampler("vllm", spec["model"], spec["precision"], device, spec["seed"], 0,
+                           spec["max_prompt_len"] + spec["max_response_len"], 0, 1, spec["gpu_memory_utilization"], 1)
     P, G = spec["num_prompts"], spec["group_size"]
+    params = sampler.sampling_params(G, spec["max_response_len"], 1.0)  # what VLLMSampler.generate asks of it
     for step in range(spec["steps"]):
         idx = [order[j % len(problems)] for j in range(step * P, (step + 1) * P)]
         prompts = [problems[i]["prompt_ids"] for i in idx]
-        # what VLLMSampler.generate asks of the engine
-        params = SamplingParams(n=G, temperature=1.0, top_p=1.0, max_tokens=spec["max_response_len"], logprobs=0,
-                                detokenize=False, flat_logprobs=True)
         sync()
         t0 = time.perf_counter()
         outs = sampler.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -1006,10 +1004,10 @@ def render_markdown(data: dict) -> str:
             lines += [f"### {r['label']}", "", f"`python {r.get('command')}` ({r.get('code', 'this checkout')}; "
                       f"{r.get('wall_s')} s wall, with start-up and the final checkpoint)", ""]
             if steps:
-                later = steps[1:] or steps
+                later, means = steps[1:] or steps, phase_means(steps)
                 phases = []
                 for ph in ("sample", "recompute", "train", "sync", "step"):
-                    row = {"phase": ph, "s": phase_means(steps)[ph]}
+                    row = {"phase": ph, "s": means[ph]}
                     for col, key in (("peak", f"mem/{ph}_peak_gib"), ("used", f"mem/{ph}_used_gib")):
                         vals = [st[key] for st in later if isinstance(st.get(key), (int, float))]
                         row[col] = sum(vals) / len(vals) if vals else None
