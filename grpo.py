@@ -219,7 +219,8 @@ def policy_loss(logp_BT, old_logp_BT, adv_B, weight_BT, mask_BT, eps_low: float,
     loss = (1/N_seq) sum_i sum_t m_it w_it l_it / L_max,  l_it = -min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i),
     r_it = exp(logp - old_logp). N_seq is the mini-batch's sequence count over all ranks and micro-batches, so
     summing this over micro-batches (and averaging gradients over ranks, each rank's loss times world size) gives
-    the same value whatever the split. Returns (loss, local sums for the clip fraction and approx KL)."""
+    the same value whatever the split. Returns (loss, local sums for the clip fraction and approx KL, as 0-d
+    tensors: the caller adds them up and reads them once per step, where a .item() here would wait for the GPU)."""
     m = mask_BT.float()
     log_ratio_BT = logp_BT - old_logp_BT
     ratio_BT = torch.exp(log_ratio_BT)
@@ -230,9 +231,9 @@ def policy_loss(logp_BT, old_logp_BT, adv_B, weight_BT, mask_BT, eps_low: float,
     loss = (loss_BT * m).sum() / max_response_len / num_seqs
     with torch.no_grad():
         clipped = ((adv_BT > 0) & (ratio_BT > 1 + eps_high)) | ((adv_BT < 0) & (ratio_BT < 1 - eps_low))
-        stats = {"clip": (clipped.float() * m).sum().item(),
-                 "approx_kl": ((torch.expm1(log_ratio_BT) - log_ratio_BT) * m).sum().item(),  # k3 of KL(old||theta)
-                 "tokens": m.sum().item()}
+        stats = {"clip": (clipped.float() * m).sum(),
+                 "approx_kl": ((torch.expm1(log_ratio_BT) - log_ratio_BT) * m).sum(),  # k3 of KL(old||theta)
+                 "tokens": m.sum()}
     return loss, stats
 
 
@@ -437,7 +438,7 @@ def main(args: Args) -> None:
                                           args.max_response_len, num_seqs_global)
                 # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
                 scaler.scale_loss(loss * world_size).backward()
-                loss_sum += loss.item()
+                loss_sum += loss.detach()
                 for key in pol:
                     pol[key] += stats[key]
             norm, was_skipped = scaler.step(params, optimizer, args.max_grad_norm)
@@ -445,6 +446,7 @@ def main(args: Args) -> None:
             skipped += was_skipped
             if scaler.fault:
                 break  # no more updates from this batch; the run stops after logging it
+        loss_sum, pol = float(loss_sum), {key: float(v) for key, v in pol.items()}  # read once, not per micro-batch
         t_train = time.perf_counter() - t0
         mem.update(phase_memory(device, "train"))
 

@@ -205,7 +205,8 @@ def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, eps_low: float, eps_high: 
     s_i = exp(sum_t m_it (logp - old_logp) / sum_t m_it), the gradient flowing through every token's logp.
     N_seq is the mini-batch's sequence count over all ranks and micro-batches, so summing this over micro-batches
     (and averaging gradients over ranks, each rank's loss times world size) gives the same value whatever the split.
-    Returns (loss, local sums for the clip fraction (over sequences) and approx KL (over tokens))."""
+    Returns (loss, local sums for the clip fraction (over sequences) and approx KL (over tokens), as 0-d tensors:
+    the caller adds them up and reads them once per step, where a .item() here would wait for the GPU)."""
     m = mask_BT.float()
     log_ratio_BT = (logp_BT - old_logp_BT) * m
     s_B = torch.exp(log_ratio_BT.sum(-1) / m.sum(-1).clamp(min=1.0))  # the geometric mean of the token ratios
@@ -214,9 +215,9 @@ def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, eps_low: float, eps_high: 
     loss = -torch.min(surr1, surr2).sum() / num_seqs
     with torch.no_grad():
         clipped = ((adv_B > 0) & (s_B > 1 + eps_high)) | ((adv_B < 0) & (s_B < 1 - eps_low))
-        stats = {"clip": clipped.float().sum().item(), "seqs": float(len(s_B)),
-                 "approx_kl": ((torch.expm1(log_ratio_BT) - log_ratio_BT) * m).sum().item(),  # k3 of KL(old||theta)
-                 "tokens": m.sum().item()}
+        stats = {"clip": clipped.float().sum(), "seqs": float(len(s_B)),
+                 "approx_kl": ((torch.expm1(log_ratio_BT) - log_ratio_BT) * m).sum(),  # k3 of KL(old||theta)
+                 "tokens": m.sum()}
     return loss, stats
 
 
@@ -421,7 +422,7 @@ def main(args: Args) -> None:
                                           rmask, args.eps_low, args.eps_high, num_seqs_global)  # GSPO
                 # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
                 scaler.scale_loss(loss * world_size).backward()
-                loss_sum += loss.item()
+                loss_sum += loss.detach()
                 for key in pol:
                     pol[key] += stats[key]
             norm, was_skipped = scaler.step(params, optimizer, args.max_grad_norm)
@@ -429,6 +430,7 @@ def main(args: Args) -> None:
             skipped += was_skipped
             if scaler.fault:
                 break  # no more updates from this batch; the run stops after logging it
+        loss_sum, pol = float(loss_sum), {key: float(v) for key, v in pol.items()}  # read once, not per micro-batch
         t_train = time.perf_counter() - t0
         mem.update(phase_memory(device, "train"))
 

@@ -234,20 +234,21 @@ def policy_loss(logp_BT, old_logp_BT, mu_logp_BT, adv_B, mask_BT, is_mode: str, 
     loss = (1/N_seq) sum_i sum_t m_it l_it / L_max,  l_it = -sg[w_i] A_i logp_it,  w_i from seq_importance_weights.
     N_seq is the mini-batch's sequence count over all ranks and micro-batches, so summing this over micro-batches
     (and averaging gradients over ranks, each rank's loss times world size) gives the same value whatever the split.
-    old_logp enters only the approx KL. Returns (loss, local sums and max for the is/ and policy/ metrics)."""
+    old_logp enters only the approx KL. Returns (loss, local sums and max for the is/ and policy/ metrics, as 0-d
+    tensors: the caller adds them up and reads them once per step, where a .item() here would wait for the GPU)."""
     m = mask_BT.float()
     w_B, log_rho_B = seq_importance_weights(logp_BT.detach(), mu_logp_BT, m, is_mode, threshold)
     loss_BT = -(w_B * adv_B)[:, None] * logp_BT
     loss = (loss_BT * m).sum() / max_response_len / num_seqs
     with torch.no_grad():
         log_ratio_BT = logp_BT - old_logp_BT
-        stats = {"approx_kl": ((torch.expm1(log_ratio_BT) - log_ratio_BT) * m).sum().item(),  # k3 of KL(old||theta)
-                 "tokens": m.sum().item(), "seqs": float(len(w_B)), "weight": w_B.sum().item(),
+        stats = {"approx_kl": ((torch.expm1(log_ratio_BT) - log_ratio_BT) * m).sum(),  # k3 of KL(old||theta)
+                 "tokens": m.sum(), "seqs": float(len(w_B)), "weight": w_B.sum(),
                  # the ratios reported are capped as --is-mode is caps them (an inf would make their mean useless)
-                 "rho": torch.exp(log_rho_B.clamp(max=LOG_RHO_MAX)).sum().item(),
-                 "rho_max": torch.exp(log_rho_B.clamp(max=LOG_RHO_MAX)).max().item(),
-                 "rho_over": (log_rho_B > np.log(threshold)).sum().item(),
-                 "rho_clamped": (log_rho_B > LOG_RHO_MAX).sum().item()}
+                 "rho": torch.exp(log_rho_B.clamp(max=LOG_RHO_MAX)).sum(),
+                 "rho_max": torch.exp(log_rho_B.clamp(max=LOG_RHO_MAX)).max(),
+                 "rho_over": (log_rho_B > np.log(threshold)).sum(),
+                 "rho_clamped": (log_rho_B > LOG_RHO_MAX).sum()}
     return loss, stats
 
 
@@ -439,7 +440,7 @@ def main(args: Args) -> None:
         loss_sum, pol = 0.0, {"approx_kl": 0.0, "tokens": 0.0,
                               "seqs": 0.0, "weight": 0.0, "rho": 0.0, "rho_over": 0.0,
                               "rho_clamped": 0.0}  # PG-Seq-IS: the rho used
-        rho_max = 0.0
+        rho_maxes = []  # PG-Seq-IS
         grad_norms, skipped = [], 0
         for k in range(args.num_minibatches):
             mb_idx = list(range(k * seqs_per_mb, (k + 1) * seqs_per_mb))
@@ -455,15 +456,17 @@ def main(args: Args) -> None:
                                           args.max_response_len, num_seqs_global)
                 # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
                 scaler.scale_loss(loss * world_size).backward()
-                loss_sum += loss.item()
+                loss_sum += loss.detach()
                 for key in pol:
                     pol[key] += stats[key]
-                rho_max = max(rho_max, stats["rho_max"])  # PG-Seq-IS
+                rho_maxes.append(stats["rho_max"])  # PG-Seq-IS
             norm, was_skipped = scaler.step(params, optimizer, args.max_grad_norm)
             grad_norms.append(norm)
             skipped += was_skipped
             if scaler.fault:
                 break  # no more updates from this batch; the run stops after logging it
+        loss_sum, pol = float(loss_sum), {key: float(v) for key, v in pol.items()}  # read once, not per micro-batch
+        rho_max = max(map(float, rho_maxes), default=0.0)  # PG-Seq-IS
         t_train = time.perf_counter() - t0
         mem.update(phase_memory(device, "train"))
 

@@ -276,7 +276,8 @@ def policy_loss(logp_BT, old_logp_BT, adv_BT, weight_BT, mask_BT, eps_low: float
     loss = (1/N_seq) sum_i sum_t m_it w_it l_it / L_max, l_it = -min(r_it A_it, clip(r_it, 1-eps_low, 1+eps_high) A_it),
     r_it = exp(logp - old_logp). N_seq is the mini-batch's sequence count over all ranks and micro-batches, so
     summing this over micro-batches (and averaging gradients over ranks, each rank's loss times world size) gives
-    the same value whatever the split. Returns (loss, local sums for the clip fraction and approx KL)."""
+    the same value whatever the split. Returns (loss, local sums for the clip fraction and approx KL, as 0-d
+    tensors: the caller adds them up and reads them once per step, where a .item() here would wait for the GPU)."""
     m = mask_BT.float()
     log_ratio_BT = logp_BT - old_logp_BT
     ratio_BT = torch.exp(log_ratio_BT)
@@ -286,9 +287,9 @@ def policy_loss(logp_BT, old_logp_BT, adv_BT, weight_BT, mask_BT, eps_low: float
     loss = (loss_BT * m).sum() / max_response_len / num_seqs
     with torch.no_grad():
         clipped = ((adv_BT > 0) & (ratio_BT > 1 + eps_high)) | ((adv_BT < 0) & (ratio_BT < 1 - eps_low))
-        stats = {"clip": (clipped.float() * m).sum().item(),
-                 "approx_kl": ((torch.expm1(log_ratio_BT) - log_ratio_BT) * m).sum().item(),  # k3 of KL(old||theta)
-                 "tokens": m.sum().item()}
+        stats = {"clip": (clipped.float() * m).sum(),
+                 "approx_kl": ((torch.expm1(log_ratio_BT) - log_ratio_BT) * m).sum(),  # k3 of KL(old||theta)
+                 "tokens": m.sum()}
     return loss, stats
 
 
@@ -297,13 +298,13 @@ def value_loss(values_BT, old_values_BT, returns_BT, mask_BT, value_clip: float,
     response tokens:
     loss = (1/N_tok) sum_it m_it 0.5 max((V - R)^2, (V_clipped - R)^2),  V_clipped = V_old + clip(V - V_old, -c, c).
     N_tok is the mini-batch's response-token count over all ranks and micro-batches, so as with policy_loss the
-    split changes nothing. Returns (loss, local sums for the clip fraction)."""
+    split changes nothing. Returns (loss, local sums for the clip fraction, as 0-d tensors)."""
     m = mask_BT.float()
     v_clipped_BT = old_values_BT + (values_BT - old_values_BT).clamp(-value_clip, value_clip)
     err_BT, err_clipped_BT = (values_BT - returns_BT) ** 2, (v_clipped_BT - returns_BT) ** 2
     loss = (0.5 * torch.max(err_BT, err_clipped_BT) * m).sum() / num_tokens
     with torch.no_grad():
-        stats = {"clip": ((err_clipped_BT > err_BT).float() * m).sum().item(), "tokens": m.sum().item()}
+        stats = {"clip": ((err_clipped_BT > err_BT).float() * m).sum(), "tokens": m.sum()}
     return loss, stats
 
 
@@ -545,7 +546,7 @@ def main(args: Args) -> None:
                                           args.max_response_len, num_seqs_global)
                 # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
                 scaler.scale_loss(loss * world_size).backward()
-                loss_sum += loss.item()
+                loss_sum += loss.detach()
                 for key in pol:
                     pol[key] += stats[key]
                 # PPO: the critic on the same micro-batch; its loss is a mean over N_tok, so times world_size again
@@ -554,7 +555,7 @@ def main(args: Args) -> None:
                                            returns_all[idx, :Tm].to(device), rmask, args.value_clip,
                                            max(num_tokens_global[k], 1.0))
                 critic_scaler.scale_loss(vloss * world_size).backward()
-                vloss_sum += vloss.item()
+                vloss_sum += vloss.detach()
                 vclip += vstats["clip"]
             norm, was_skipped = scaler.step(params, optimizer, args.max_grad_norm)
             grad_norms.append(norm)
@@ -563,6 +564,8 @@ def main(args: Args) -> None:
             critic_grad_norms.append(critic_scaler.step(critic_params, critic_optimizer, args.max_grad_norm)[0])
             if scaler.fault or critic_scaler.fault:
                 break  # no more updates from this batch; the run stops after logging it
+        loss_sum, pol = float(loss_sum), {key: float(v) for key, v in pol.items()}  # read once, not per micro-batch
+        vloss_sum, vclip = float(vloss_sum), float(vclip)  # PPO
         t_train = time.perf_counter() - t0
         mem.update(phase_memory(device, "train"))
 
