@@ -57,10 +57,13 @@ from common.logprobs import _chunk_logprobs, chunked_logprobs, collate, pad_floa
 from common.precision import DTYPES, LossScaler  # noqa: E402
 from common.sampler import HFSampler  # noqa: E402
 
-# Qwen2.5 layer shapes (random weights, std 0.02); "tiny" runs the whole benchmark on a CPU in seconds.
+# Qwen2.5 layer shapes (random weights, std 0.02), and SmolLM2-135M's (the real model's) in the same layout; "tiny"
+# runs the whole benchmark on a CPU in seconds.
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=1000, max_position_embeddings=1024),
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192),
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -102,6 +105,9 @@ def parse_args(argv=None):
     ap.add_argument("--compile", choices=["on", "off"], default="on",
                     help="torch.compile the decoder layers (the scripts' --compile; GPU only)")
     ap.add_argument("--iters", type=int, default=3, help="timed trainer steps (after one warm-up step)")
+    ap.add_argument("--profile", action="store_true",
+                    help="trainer and vllm_generate: one more step (batch) under torch.profiler, after the timed ones: "
+                         "the GPU's busy time goes into the results, the operator tables into <name>_profile_*.txt")
     # matmul, log-prob memory
     ap.add_argument("--matmul-n", type=int, help="n of the n x n x n matmuls")
     ap.add_argument("--logprob-tokens", type=int, help="tokens through the log-prob head")
@@ -240,6 +246,48 @@ def now() -> str:
     return time.strftime("%H:%M:%S")
 
 
+def profiled(fn):
+    """(fn(), the torch.profiler profile of it: CPU operators, and GPU kernels where there is a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        out = fn()
+        sync()
+    return out, prof
+
+
+def gpu_busy_s(prof):
+    """Seconds in which at least one GPU kernel or copy ran (the union of their intervals; None without a GPU).
+    Against the wall time of the same work this says how much of it the GPU computed, the rest being time in which
+    it waited for the host (Python, the dispatcher, kernel launches, synchronisations)."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.autograd import DeviceType
+    # (not the user annotations: ranges such as a compiled region's, drawn on the GPU's timeline over its kernels
+    # and the gaps between them)
+    return union_length([(e.time_range.start, e.time_range.end) for e in prof.events()
+                         if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]) / 1e6
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) intervals (kernels on several streams may overlap)."""
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            busy, end = busy + b - max(a, end), b
+    return busy
+
+
+def write_profile(path: str, prof, title: str) -> None:
+    """The operator tables of a profile: by self CPU time (where the host's time goes), and by GPU time."""
+    table = prof.key_averages().table
+    parts = [title, "", "By self CPU time:", table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)]
+    if torch.cuda.is_available():
+        parts += ["", "By GPU time:", table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)]
+    with open(path, "w") as f:
+        f.write("\n".join(parts) + "\n")
+
+
 class Results:
     """The results of a run: a dict of sections, written to <out_dir>/<name>.json and .md after every change (rank 0
     only). Sections of an earlier run under the same name that this run does not redo are kept."""
@@ -369,6 +417,7 @@ def trainer_step(model, params, optimizer, scaler, prompts, responses, args, pad
     old_all = pad_float(old_logp, T, "cpu")
     adv_B = torch.where(torch.arange(len(seq_lens)) % 2 == 0, 1.0, -1.0)
     seqs_per_mb = len(seq_lens) // args.num_minibatches
+    loss_sum = 0.0
     for k in range(args.num_minibatches):
         mb_idx = list(range(k * seqs_per_mb, (k + 1) * seqs_per_mb))
         for micro in split_microbatches([seq_lens[i] for i in mb_idx], args.micro_batch_tokens):
@@ -379,8 +428,9 @@ def trainer_step(model, params, optimizer, scaler, prompts, responses, args, pad
             loss = policy_loss(logp_BT, old_all[idx, :Tm].to(device), adv_B[idx].to(device), rmask, 0.2, 0.28,
                                T, seqs_per_mb * world_size)
             scaler.scale_loss(loss * world_size).backward()
-            loss.item()
+            loss_sum = loss_sum + loss.detach()  # read once per step, as grpo.py does
         scaler.step(params, optimizer, 1.0)
+    float(loss_sum)
     # (no model.eval(): grpo.py's model stays in train mode, and a compiled layer would recompile for the other mode)
     sync()
     return t_recompute, time.perf_counter() - t0, mem_recompute, peak_gib()
@@ -439,6 +489,18 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
                            peak_gib_recompute=max(t[2] for t in times) if times[0][2] is not None else None,
                            peak_gib_train=max(t[3] for t in times) if times[0][3] is not None else None,
                            loss_scale=scaler.scale, skipped_steps=scaler.skipped_steps)
+                if args.profile:
+                    t, prof = profiled(lambda: trainer_step(model, params, optimizer, scaler, prompts, responses, args,
+                                                            pad_id, device, world_size))
+                    busy = gpu_busy_s(prof)
+                    if busy is not None:  # of the unprofiled step time (the profiler slows the host down)
+                        row.update(gpu_busy_s=round(busy, 3), gpu_busy_frac=round(busy / (t_rec + t_train), 3))
+                    if res.enabled:
+                        write_profile(f"{res.path}_profile_trainer_{precision}_{resp_len}.txt", prof,
+                                      f"trainer step {precision}, {args.num_seqs} x ({args.prompt_len} + {resp_len}) "
+                                      f"tokens, {n_micro} micro-batches: recompute {t[0]:.3f} s, train {t[1]:.3f} s "
+                                      f"under the profiler ({t_rec:.3f} s and {t_train:.3f} s without); GPU busy "
+                                      f"{busy if busy is None else round(busy, 3)} s")
                 res.add("trainer", row)
                 print0(f"[{now()}] trainer {precision} response {resp_len}: recompute {row['recompute_tok_s']} tok/s, "
                        f"train {row['train_tok_s']} tok/s, MFU train {row['mfu_train']}, peak "
@@ -831,11 +893,13 @@ def bench_vllm_generate(res: Results, args, model_dir):
         return
     model, data = rl_task(args, model_dir)
     res.start("vllm_generate", [])
+    res.data.pop("vllm_generate_profile", None)
     cmd = [sys.executable, os.path.abspath(__file__), "--vllm-generate-child", json.dumps(
         {"model": model, "data": data, "template": args.rl_prompt_template, "seed": args.seed,
          "precision": args.precisions[0], "num_prompts": args.rl_num_prompts, "group_size": args.rl_group_size,
          "max_prompt_len": args.rl_max_prompt_len, "max_response_len": args.rl_max_response_len,
-         "steps": args.rl_steps, "gpu_memory_utilization": args.vllm_gpu_memory_utilization})]
+         "steps": args.rl_steps, "gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+         "profile": f"{res.path}_profile_vllm_generate.txt" if args.profile and res.enabled else None})]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT")}
     print0(f"[{now()}] vllm_generate: starting the engine in a subprocess")
@@ -846,6 +910,9 @@ def bench_vllm_generate(res: Results, args, model_dir):
         if line.startswith("ROW "):
             res.add("vllm_generate", json.loads(line[len("ROW "):]))
             print0(f"[{now()}] vllm_generate {line[4:].rstrip()}")
+        elif line.startswith("PROFILE "):
+            res.start("vllm_generate_profile", json.loads(line[len("PROFILE "):]))
+            print0(f"[{now()}] vllm_generate profile {line[8:].rstrip()}")
     p.wait()
     if p.returncode != 0:
         res.note(f"vllm_generate: the subprocess failed (exit {p.returncode}); its last lines: " + " | ".join(tail[-8:]))
@@ -896,6 +963,21 @@ def vllm_generate_child(spec: dict) -> None:
                "sampler_generate_tok_s": round(n_sampler / t_sampler), "sleep_s": round(t_sleep, 3),
                "wake_s": round(t_wake, 3)}
         print("ROW " + json.dumps(row), flush=True)
+    if spec.get("profile"):  # batch 1 once more under the profiler: how much of llm.generate the GPU computes
+        idx = [order[j % len(problems)] for j in range(P)]
+        reqs = [TokensPrompt(prompt_token_ids=problems[i]["prompt_ids"]) for i in idx]
+        t0 = time.perf_counter()
+        outs, prof = profiled(lambda: sampler.llm.generate(reqs, params, use_tqdm=False))
+        wall = time.perf_counter() - t0
+        busy = gpu_busy_s(prof)
+        steps = max(len(c.token_ids) for o in outs for c in o.outputs)  # decode steps: the longest response
+        row = {"batch": 1, "sequences": P * G, "tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
+               "decode_steps": steps, "profiled_s": round(wall, 3), "gpu_busy_s": busy and round(busy, 3),
+               "gpu_busy_ms_per_step": busy and round(1000 * busy / steps, 2),
+               "wall_ms_per_step": round(1000 * wall / steps, 2)}
+        write_profile(spec["profile"], prof, f"llm.generate of batch 1 ({P} x {G}) under the profiler: {wall:.3f} s, "
+                                             f"{row['tokens']} tokens, {steps} decode steps, GPU busy {busy} s")
+        print("PROFILE " + json.dumps(row), flush=True)
     sampler.shutdown()
 
 
@@ -953,8 +1035,14 @@ def render_markdown(data: dict) -> str:
                       ("ranks", "ranks"),
                       ("recompute tok/s", "recompute_tok_s"), ("train tok/s", "train_tok_s"),
                       ("whole tok/s", "whole_tok_s"), ("MFU train (6N)", "mfu_train"), ("MFU whole (8N)", "mfu_whole"),
-                      ("step s", "step_s"), ("peak GiB recompute", "peak_gib_recompute"),
-                      ("peak GiB train", "peak_gib_train"), ("error", "error")]), ""]
+                      ("step s", "step_s")] + ([("GPU busy s", "gpu_busy_s"), ("GPU busy / step", "gpu_busy_frac")]
+                                               if any("gpu_busy_s" in r for r in rows) else []) + [
+                      ("peak GiB recompute", "peak_gib_recompute"), ("peak GiB train", "peak_gib_train"),
+                      ("error", "error")]), ""]
+        if any("gpu_busy_s" in r for r in rows):
+            lines += ["GPU busy: the union of the GPU kernels' and copies' intervals in one more step run under "
+                      "torch.profiler (--profile), over the unprofiled step time; the rest of the step the GPU waits "
+                      "for the host. Operator tables: <name>_profile_trainer_*.txt.", ""]
         if data.get("trainer_ratio"):
             lines += ["FP16 loss scaling's cost, fp16 step time / bf16 step time:", "",
                       _table(data["trainer_ratio"], [("response", "response"), ("fp16 / bf16", "fp16_over_bf16")]), ""]
@@ -1026,6 +1114,15 @@ def render_markdown(data: dict) -> str:
                       ("VLLMSampler.generate s", "sampler_generate_s"), ("tokens", "sampler_generate_tokens"),
                       ("tok/s", "sampler_generate_tok_s"), ("sleep s (level 1)", "sleep_s"), ("wake s", "wake_s")]),
                   ""]
+    if data.get("vllm_generate_profile"):
+        lines += ["Batch 1 once more under torch.profiler (--profile): the GPU's busy time (the union of its kernels' "
+                  "and copies' intervals) against the wall time, per decode step (the longest response's length). "
+                  "The profiler slows the host, so the wall time here is above the unprofiled one above. Operator "
+                  "tables: <name>_profile_vllm_generate.txt.", "",
+                  _table([data["vllm_generate_profile"]], [
+                      ("batch", "batch"), ("sequences", "sequences"), ("tokens", "tokens"),
+                      ("decode steps", "decode_steps"), ("profiled s", "profiled_s"), ("GPU busy s", "gpu_busy_s"),
+                      ("wall ms / step", "wall_ms_per_step"), ("GPU busy ms / step", "gpu_busy_ms_per_step")]), ""]
     if data.get("notes"):
         lines += ["## Notes", ""] + [f"- {n}" for n in data["notes"]] + [""]
     return "\n".join(lines)

@@ -79,8 +79,12 @@ def test_every_section_writes_rows_and_a_table(bench_dir):
 
 def test_trainer_fp16_and_bf16_and_their_ratio(tmp_path):
     run(["--only", "trainer", "--precisions", "fp16,bf16", "--response-lens", "8", "--num-seqs", "2", "--iters", "1",
-         "--name", "prec"], tmp_path)
+         "--name", "prec", "--profile"], tmp_path)
     data, md = load(tmp_path, "prec")
+    for precision in ("fp16", "bf16"):  # --profile: one more step under torch.profiler, its operator tables
+        with open(tmp_path / "out" / f"prec_profile_trainer_{precision}_8.txt") as f:
+            table = f.read()
+        assert table.startswith(f"trainer step {precision}") and "aten::mm" in table
     assert [r["precision"] for r in data["trainer"]] == ["fp16", "bf16"]
     assert data["trainer"][0]["loss_scale"] == 2.0**16 and data["trainer"][1]["loss_scale"] == 1.0
     assert all(r["mfu_train"] > 0 for r in data["trainer"])  # the matmul peaks were measured for the MFU
@@ -133,3 +137,28 @@ def test_vllm_generate_on_grpo_batches(tmp_path):
     assert [r["batch"] for r in rows] == [1, 2] and all(r["sequences"] == 4 * 2 for r in rows)
     assert all(r["llm_generate_tokens"] > 0 and r["sampler_generate_tok_s"] > 0 for r in rows)
     assert "## The same vLLM engine standalone" in md
+
+
+def test_vllm_generate_profile(tmp_path):
+    """--profile: batch 1 once more under torch.profiler, its figures in the results and its operator tables in a
+    file (no GPU here: no busy time)."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
+    run(["--only", "vllm_generate", "--precisions", "fp32", "--rl-steps", "1", "--rl-max-response-len", "8",
+         "--name", "gen", "--profile"], tmp_path)
+    data, md = load(tmp_path, "gen")
+    prof = data["vllm_generate_profile"]
+    assert prof["sequences"] == 8 and prof["tokens"] > 0 and 1 <= prof["decode_steps"] <= 8
+    assert prof["profiled_s"] > 0 and prof["gpu_busy_s"] is None
+    with open(tmp_path / "out" / "gen_profile_vllm_generate.txt") as f:
+        table = f.read()
+    assert "By self CPU time:" in table and "Self CPU" in table
+    assert "under torch.profiler" in md
+
+
+def test_union_length():
+    """The GPU's busy time: overlapping kernels (two streams) count once, gaps not at all."""
+    from bench.benchmark import union_length
+    assert union_length([]) == 0.0
+    assert union_length([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4.0
+    assert union_length([(5, 6), (0, 10)]) == 10.0
