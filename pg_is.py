@@ -47,7 +47,7 @@ from common.dist import cleanup_distributed, phase_memory, print0, reduce_stats,
 from common.evaluate import eval_name, evaluate
 from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
-from common.logprobs import collate, pad_float, split_microbatches
+from common.logprobs import collate, pad_float, split_microbatches, to_device
 from common.metrics import MismatchMonitor, mismatch_metrics, mismatch_stats
 from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
                               resolve_precisions)
@@ -451,9 +451,9 @@ def main(args: Args) -> None:
                 Tm = rmask.shape[1]
                 logp_BT, _ = model(ids, attn, rmask, args.temperature, args.logprob_chunk)
                 # PG-Seq-IS: rho from this logp (detached) and the sampler's mu_logp, arXiv 2510.26788 eq. 5
-                loss, stats = policy_loss(logp_BT, old_all[idx, :Tm].to(device), mu_all[idx, :Tm].to(device),
-                                          adv_B[idx].to(device), rmask, args.is_mode, args.is_threshold,
-                                          args.max_response_len, num_seqs_global)
+                loss, stats = policy_loss(logp_BT, to_device(old_all[idx, :Tm], device),
+                                          to_device(mu_all[idx, :Tm], device), to_device(adv_B[idx], device), rmask,
+                                          args.is_mode, args.is_threshold, args.max_response_len, num_seqs_global)
                 # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
                 scaler.scale_loss(loss * world_size).backward()
                 loss_sum += loss.detach()

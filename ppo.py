@@ -54,7 +54,7 @@ from common.dist import (all_reduce, cleanup_distributed, phase_memory, print0, 
 from common.evaluate import eval_name, evaluate
 from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
-from common.logprobs import collate, pad_float, split_microbatches
+from common.logprobs import collate, pad_float, split_microbatches, to_device
 from common.metrics import MismatchMonitor, mismatch_metrics, mismatch_stats
 from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
                               resolve_precisions)
@@ -541,9 +541,9 @@ def main(args: Args) -> None:
                                            [rollout.response_ids[i] for i in idx], pad_id, device)
                 Tm = rmask.shape[1]
                 logp_BT, _ = model(ids, attn, rmask, args.temperature, args.logprob_chunk)
-                loss, stats = policy_loss(logp_BT, old_all[idx, :Tm].to(device), adv_all[idx, :Tm].to(device),
-                                          weight_all[idx, :Tm].to(device), rmask, args.eps_low, args.eps_high,
-                                          args.max_response_len, num_seqs_global)
+                loss, stats = policy_loss(logp_BT, to_device(old_all[idx, :Tm], device),
+                                          to_device(adv_all[idx, :Tm], device), to_device(weight_all[idx, :Tm], device),
+                                          rmask, args.eps_low, args.eps_high, args.max_response_len, num_seqs_global)
                 # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
                 scaler.scale_loss(loss * world_size).backward()
                 loss_sum += loss.detach()
@@ -551,8 +551,8 @@ def main(args: Args) -> None:
                     pol[key] += stats[key]
                 # PPO: the critic on the same micro-batch; its loss is a mean over N_tok, so times world_size again
                 values_BT = critic(ids, attn, rmask)
-                vloss, vstats = value_loss(values_BT, values_all[idx, :Tm].to(device),
-                                           returns_all[idx, :Tm].to(device), rmask, args.value_clip,
+                vloss, vstats = value_loss(values_BT, to_device(values_all[idx, :Tm], device),
+                                           to_device(returns_all[idx, :Tm], device), rmask, args.value_clip,
                                            max(num_tokens_global[k], 1.0))
                 critic_scaler.scale_loss(vloss * world_size).backward()
                 vloss_sum += vloss.detach()

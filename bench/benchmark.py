@@ -53,7 +53,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common.dist import print0, setup_distributed  # noqa: E402
 from common.fsdp import iter_full_state, load_policy  # noqa: E402
-from common.logprobs import _chunk_logprobs, chunked_logprobs, collate, pad_float, split_microbatches  # noqa: E402
+from common.logprobs import (_chunk_logprobs, chunked_logprobs, collate, pad_float, split_microbatches,  # noqa: E402
+                             to_device)
 from common.precision import DTYPES, LossScaler  # noqa: E402
 from common.sampler import HFSampler  # noqa: E402
 
@@ -425,8 +426,8 @@ def trainer_step(model, params, optimizer, scaler, prompts, responses, args, pad
             ids, attn, rmask = collate([prompts[i] for i in idx], [responses[i] for i in idx], pad_id, device)
             Tm = rmask.shape[1]
             logp_BT, _ = model(ids, attn, rmask, 1.0, args.logprob_chunk)
-            loss = policy_loss(logp_BT, old_all[idx, :Tm].to(device), adv_B[idx].to(device), rmask, 0.2, 0.28,
-                               T, seqs_per_mb * world_size)
+            loss = policy_loss(logp_BT, to_device(old_all[idx, :Tm], device), to_device(adv_B[idx], device), rmask,
+                               0.2, 0.28, T, seqs_per_mb * world_size)
             scaler.scale_loss(loss * world_size).backward()
             loss_sum = loss_sum + loss.detach()  # read once per step, as grpo.py does
         scaler.step(params, optimizer, 1.0)

@@ -90,7 +90,16 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int, d
         input_ids[i, :len(row)] = torch.tensor(row)
         attn[i, :len(row)] = 1
         resp_mask[i, :len(r)] = True
-    return input_ids.to(device), attn.to(device), resp_mask.to(device)
+    return to_device(input_ids, device), to_device(attn, device), to_device(resp_mask, device)
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A CPU tensor onto `device` without waiting for the GPU. A copy from ordinary (pageable) host memory first waits
+    until the GPU has run every kernel queued before it (CUDA's documented behaviour for pageable host-to-device
+    copies); one from pinned memory is queued like a kernel, so the host goes on queueing the micro-batch's work."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def pad_float(rows: list[torch.Tensor], T: int, device) -> torch.Tensor:

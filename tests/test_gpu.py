@@ -148,6 +148,32 @@ def test_cpu_offload_step_on_gpu(tmp_path, precision):
           f"{off['step_s'] * 1e3:.1f} ms (a tiny model: per-tensor overheads, not bandwidth)")
 
 
+def test_to_device_copies_without_waiting_and_keeps_the_values():
+    """collate and the scripts' per-micro-batch inputs go through to_device (pinned memory, non-blocking): the copy is
+    a snapshot of the source at the call, even when the source changes right after and the GPU is still busy with
+    earlier work, and the host does not wait for that work."""
+    from common.logprobs import collate, to_device
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(3):
+        a @ a  # keep the GPU busy
+    t = torch.arange(1000, dtype=torch.float32)
+    to_device(t, "cuda")  # (the first pinned buffer is allocated here, not in the timed call)
+    torch.cuda.synchronize()
+    busy = [a @ a for _ in range(20)]  # tens of ms of queued work
+    t0 = time.perf_counter()
+    d = to_device(t, "cuda")
+    t_call = time.perf_counter() - t0
+    t += 1  # the source changes before the queued copy runs
+    torch.cuda.synchronize()
+    assert d.device.type == "cuda" and torch.equal(d.cpu(), torch.arange(1000, dtype=torch.float32))
+    busy.clear()
+    # the call returned while the queued matmuls still ran (20 of 4096^3 take > 20 ms on any current GPU)
+    assert t_call < 0.01, t_call
+    ids, attn, rmask = collate([[4, 5, 13], [7]], [[5, 6], [8, 9, 10]], 0, "cuda")
+    assert ids.tolist() == [[4, 5, 13, 5, 6], [7, 8, 9, 10, 0]] and attn.sum().item() == 9
+    assert rmask.tolist() == [[True, True, False], [True, True, True]]
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_compiled_layers_on_gpu(small_model_dir, precision):
     """--compile (the default on a GPU) against eager layers, same weights and batch (the recompute, then a training
