@@ -16,6 +16,7 @@
 vLLM's internals are touched in exactly one function, `_model_runner`.
 """
 import gc
+import importlib.util
 import os
 
 import torch
@@ -46,6 +47,8 @@ class VLLMSampler:
     def __init__(self, model_path: str, precision: str, seed: int, max_model_len: int, tp: int = 1,
                  gpu_memory_utilization: float = 0.3, sleep_level: int = 1, kv_cache_gib: float = 0.0):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+        if importlib.util.find_spec("flashinfer") is None:  # some vLLM builds leave it out; vLLM's FlashInfer
+            os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # sampler then fails at start, importing it
         # external_launcher reads torchrun's variables; a plain `python script.py` is a group of one
         self.env_set = []  # the variables set here, unset at shutdown: a later group of one must not look like torchrun
         for key, value in (("RANK", dist.get_rank()), ("LOCAL_RANK", dist.get_rank()),

@@ -32,6 +32,15 @@ def engine(tmp_path_factory, process_group):
     assert torchrun_vars() == before
 
 
+def test_flashinfer_sampler_off_without_flashinfer(engine):
+    """vLLM's FlashInfer sampler imports the flashinfer package, which some vLLM builds leave out: the engine then
+    failed at start with "No module named 'flashinfer'" (seen with vLLM 0.25.1 on a GPU machine) unless the user
+    knew to set VLLM_USE_FLASHINFER_SAMPLER=0. Without the package the sampler sets it (a value already set stays)."""
+    if importlib.util.find_spec("flashinfer") is not None:
+        pytest.skip("flashinfer is installed")
+    assert os.environ.get("VLLM_USE_FLASHINFER_SAMPLER") == "0"
+
+
 def _trainer_logprobs(model, rollout, temperature, device):
     from common.logprobs import collate
     ids, attn, rmask = collate(rollout.prompt_ids, rollout.response_ids, 0, device)
