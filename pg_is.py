@@ -315,7 +315,7 @@ def main(args: Args) -> None:
     # --- models: the trainer (FSDP2, fp32 master weights) and the sampler (its own copy, rollout precision)
     weights_path = resume_dir or model_path
     model = load_policy(weights_path, DTYPES[train_prec], device, args.gradient_checkpointing,
-                        cpu_offload=args.cpu_offload, compile=args.compile and device.type == "cuda")
+                        cpu_offload=args.cpu_offload, compile=args.compile)
     params = [p for p in model.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     scaler = LossScaler(enabled=train_prec == "fp16", max_consecutive_skips=args.max_skipped_steps)

@@ -376,7 +376,7 @@ def main(args: Args) -> None:
     # --- models: the trainer (FSDP2, fp32 master weights) and the sampler (its own copy, rollout precision)
     weights_path = resume_dir or model_path
     model = load_policy(weights_path, DTYPES[train_prec], device, args.gradient_checkpointing,
-                        cpu_offload=args.cpu_offload, compile=args.compile and device.type == "cuda")
+                        cpu_offload=args.cpu_offload, compile=args.compile)
     params = [p for p in model.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     scaler = LossScaler(enabled=train_prec == "fp16", max_consecutive_skips=args.max_skipped_steps)
@@ -384,8 +384,7 @@ def main(args: Args) -> None:
     # PPO: the critic starts from the policy's weights (ALGORITHMS.md) plus a value head, sharded and precision-managed
     # as the policy (same MixedPrecisionPolicy, fp32 master weights, --cpu-offload), with its own AdamW and loss scaler
     critic = load_critic(critic_resume_dir or model_path, DTYPES[train_prec], device, args.gradient_checkpointing,
-                         seed=args.seed, cpu_offload=args.cpu_offload,
-                         compile=args.compile and device.type == "cuda")
+                         seed=args.seed, cpu_offload=args.cpu_offload, compile=args.compile)
     critic_params = list(critic.parameters())
     critic_optimizer = torch.optim.AdamW(critic_params, lr=args.critic_lr, betas=args.adam_betas,
                                          weight_decay=args.weight_decay)

@@ -443,7 +443,7 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
     recompute; attention's own FLOPs are not counted."""
     res.data.pop("trainer_ratio", None)
     res.start("trainer", [])
-    compiled = args.compile == "on" and device.type == "cuda"  # as the scripts: --compile acts on a GPU only
+    compiled = args.compile == "on" and device.type == "cuda"  # (load_policy compiles on a GPU only)
     pad_id = SHAPES[args.shape]["vocab_size"] - 1
     V = SHAPES[args.shape]["vocab_size"]
     for precision in args.precisions:

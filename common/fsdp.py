@@ -67,7 +67,8 @@ def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device
     FSDP2 copies each group's shards to `device` before its all-gather and the reduced gradients back. Buffers stay
     on `device`, where the forward reads them.
 
-    compile: torch.compile each decoder layer's forward (compile_layers)."""
+    compile: torch.compile each decoder layer's forward (compile_layers), on a GPU only: on a CPU it would pay minutes
+    of compilation (and need a C++ compiler) for little."""
     config = AutoConfig.from_pretrained(path)
     without_dropout(config)
     with _parameters_on_meta():
@@ -106,7 +107,7 @@ def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device
             if name in built:
                 local, offset = _local_rows(p)
                 local.copy_(built[name][offset:offset + local.shape[0]])
-    if compile:
+    if compile and device.type == "cuda":
         compile_layers(lm)
     return model
 
@@ -114,13 +115,13 @@ def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device
 def compile_layers(lm: nn.Module) -> None:
     """torch.compile the forward of each decoder layer, in place. A layer of a small model is dozens of small
     elementwise kernels (norms, rotary embedding, activation, casts) that compiling fuses: on one H100 the training
-    phase of a GRPO step on SmolLM2-135M ran 1.44x faster and the recompute 1.30x (README, Benchmarks). Only the forward is compiled, so FSDP2's hooks
-    (all-gather, reduce-scatter), gradient checkpointing and the parameter names stay as they are (wrapping the
-    module instead would rename every parameter). Layers share one compiled graph per case: a micro-batch's shapes
-    (dynamic after the first change), grad mode (the no-grad recompute or training), train/eval mode and whether
-    there is a padding mask (none when a micro-batch has no padding); the recompile limit is raised to cover these
-    cases, since past it dynamo falls back to eager for new ones, and a checkpointed layer recomputed eagerly after
-    a compiled forward fails checkpointing's metadata check."""
+    phase of a GRPO step on SmolLM2-135M ran 1.44x faster and the recompute 1.30x (README, Benchmarks). Only the
+    forward is compiled, so FSDP2's hooks (all-gather, reduce-scatter), gradient checkpointing and the parameter
+    names stay as they are (wrapping the module instead would rename every parameter). Layers share one compiled
+    graph per case: a micro-batch's shapes (dynamic after the first change), grad mode (the no-grad recompute or
+    training), train/eval mode and whether there is a padding mask (none when a micro-batch has no padding); the
+    recompile limit is raised to cover these cases, since past it dynamo falls back to eager for new ones, and a
+    checkpointed layer recomputed eagerly after a compiled forward fails checkpointing's metadata check."""
     import torch._dynamo
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for layer in decoder_layers(lm):
