@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from common.dist import reduce_stats
@@ -163,6 +164,15 @@ def find_resume_dir(resume: str, ckpt_root: str) -> str:
     return path
 
 
+def first_failure(e: CheckpointException) -> str:
+    """The first line of the first failing rank's error, out of DCP's exception (which gathers every rank's)."""
+    for rank, (err, _traceback) in sorted(e.failures.items()):
+        text = str(err).strip().splitlines()
+        return f"rank {rank}: {type(err).__name__}: {text[0] if text else ''}"
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
 def load_training_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
     """Optimizer state (each rank reads the parts of the DCP shards it now holds: any number of ranks),
     trainer_state.json and this rank's RNG state (empty when the checkpoint was written by fewer ranks). The weights
@@ -170,7 +180,11 @@ def load_training_state(path: str, model: torch.nn.Module, optimizer: torch.opti
     rank = dist.get_rank()
     if optimizer is not None:
         state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # the layout this run holds (zeros)
-        dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
+        try:
+            dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
+        except CheckpointException as e:  # a BaseException, whose message holds every rank's traceback: one line
+            raise ValueError(f"--resume {path}: its optimizer state does not fit this model and optimizer "
+                             f"({first_failure(e)})") from e
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
     with open(os.path.join(path, "trainer_state.json")) as f:
         trainer_state = json.load(f)

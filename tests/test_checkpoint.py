@@ -47,3 +47,30 @@ def test_checkpoint_of_an_offloaded_run_resumes_with_and_without_offload(tmp_pat
 def test_run_dir_not_seen_by_every_rank_is_refused(tmp_path):
     for r in torchrun(2, "shared_dir", str(tmp_path / "run"), str(tmp_path / "out")):
         assert r["refused"] and "shared filesystem" in r["refused"]
+
+
+def test_an_optimizer_state_that_does_not_fit_is_a_one_line_error(tmp_path, process_group):
+    """DCP's CheckpointException is a BaseException (the scripts' one-line handler missed it) whose message is every
+    rank's traceback: loading a tied model's AdamW state into an untied model's optimizer (which wants a state for
+    lm_head too) is a ValueError of one line."""
+    from common.checkpoint import load_training_state, rng_state, save_checkpoint
+    from common.fsdp import load_policy
+    from common.logprobs import collate
+    from transformers import AutoTokenizer
+    _, _, device = process_group
+    runs = {}
+    for tie in (True, False):
+        path = make_tiny_model_dir(str(tmp_path / f"m{tie}"), tie=tie)
+        model = load_policy(path, torch.float32, device, gradient_checkpointing=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        logp, _ = model(*collate([[4, 5]], [[6, 7]], 0, device), 1.0, 16)
+        (-logp.sum()).backward()
+        optimizer.step()
+        runs[tie] = (path, model, optimizer)
+    path, model, optimizer = runs[True]
+    ckpt = save_checkpoint(str(tmp_path / "ckpt"), 1, model, model.lm, AutoTokenizer.from_pretrained(path), optimizer,
+                           {}, rng_state())
+    _, model, optimizer = runs[False]
+    with pytest.raises(ValueError) as e:
+        load_training_state(ckpt, model, optimizer)
+    assert "lm_head" in str(e.value) and "\n" not in str(e.value), str(e.value)
