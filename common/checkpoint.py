@@ -5,9 +5,12 @@
   - optimizer/: the AdamW state as torch.distributed.checkpoint (DCP) shards, each rank writing its own, so the state
     (twice the fp32 weights: 61 GB at 7B) never funnels through one rank. DCP reshards on load: a run saved on 8
     ranks resumes on 4 (the weights come from model.safetensors, each rank reading only its rows);
-  - trainer_state.json (step, loss scaler, ...) and rng_rank{r}.pt (each rank's RNG streams, the sampler's among
-    them). Resumed on other ranks, rank r takes rng_rank{r}.pt where there is one (sampling streams then differ from
-    an uninterrupted run, as they would on any other number of ranks).
+  - trainer_state.json (step, loss scaler, ...) and rng_rank{r}.json (each rank's RNG streams, the sampler's among
+    them; JSON, not a pickle: reading it runs no code). Resumed on other ranks, rank r takes rng_rank{r}.json where
+    there is one (sampling streams then differ from an uninterrupted run, as they would on any other number of
+    ranks).
+What resuming reads that is not plain data: optimizer/.metadata, which DCP writes and reads as a pickle. Resume only
+from checkpoints you trust; a checkpoint given as --model is read as safetensors and JSON only (docs/checkpoints.md).
 Every rank writes into the same directory: the run directory must be on a filesystem every node sees
 (check_shared_dir says so at the start of a run, not at the first save).
 
@@ -53,6 +56,35 @@ def set_rng_state(state: dict, generator: torch.Generator | None = None) -> None
         generator.set_state(state["sampler"])
 
 
+def rng_to_json(state: dict) -> dict:
+    """An rng_state() as plain JSON (numbers and lists): a checkpoint's RNG file is then read without unpickling,
+    i.e. without running code a shared checkpoint could carry."""
+    out = {}
+    for key, value in state.items():
+        if key == "python":
+            version, internal, gauss = value
+            out[key] = [version, list(internal), gauss]
+        elif key == "numpy":
+            name, keys, pos, has_gauss, cached = value
+            out[key] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+        else:  # torch, cuda, sampler: byte tensors
+            out[key] = value.tolist()
+    return out
+
+
+def rng_from_json(data: dict) -> dict:
+    """The inverse of rng_to_json."""
+    out = {}
+    for key, value in data.items():
+        if key == "python":
+            out[key] = (value[0], tuple(value[1]), value[2])
+        elif key == "numpy":
+            out[key] = (value[0], np.array(value[1], dtype=np.uint32), *value[2:])
+        else:
+            out[key] = torch.tensor(value, dtype=torch.uint8)
+    return out
+
+
 def save_checkpoint(ckpt_root: str, step: int, model: torch.nn.Module, lm: torch.nn.Module, tokenizer,
                     optimizer: torch.optim.Optimizer | None, trainer_state: dict, rank_state: dict,
                     keep_last: int = 0) -> str:
@@ -64,7 +96,8 @@ def save_checkpoint(ckpt_root: str, step: int, model: torch.nn.Module, lm: torch
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     os.makedirs(tmp, exist_ok=True)  # by every rank: none writes into a directory it has not seen made
-    torch.save(rank_state, os.path.join(tmp, f"rng_rank{rank}.pt"))
+    with open(os.path.join(tmp, f"rng_rank{rank}.json"), "w") as f:
+        json.dump(rng_to_json(rank_state), f)
     if optimizer is not None:  # each rank writes its shard of the AdamW state
         dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(tmp, "optimizer"))
     # the weights, fp32, gathered one tensor at a time and written by rank 0 as they come (a tied lm_head is stored
@@ -188,6 +221,12 @@ def load_training_state(path: str, model: torch.nn.Module, optimizer: torch.opti
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
     with open(os.path.join(path, "trainer_state.json")) as f:
         trainer_state = json.load(f)
-    rng_file = os.path.join(path, f"rng_rank{rank}.pt")
-    rank_state = torch.load(rng_file, weights_only=False) if os.path.exists(rng_file) else {}
+    rng_file = os.path.join(path, f"rng_rank{rank}.json")
+    rank_state = {}
+    if os.path.exists(rng_file):
+        with open(rng_file) as f:
+            rank_state = rng_from_json(json.load(f))
+    elif rank == 0 and os.path.exists(os.path.join(path, f"rng_rank{rank}.pt")):  # (written by an older version)
+        print(f"[resume] {path}: rng_rank*.pt not read (a pickle: loading it could run code); the random streams "
+              "start afresh", flush=True)
     return trainer_state, rank_state
