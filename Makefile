@@ -8,6 +8,7 @@
 # make sanity-real  the study's grid on the real model on one GPU with vLLM (README: The real model)
 # make sanity-cot   Qwen2.5 Coder 1.5B (MODEL= another) on the multi-step problems: its perfectible set, then grpo.py
 #                  at fp16 and bf16 side by side on one GPU with vLLM (docs/real-models.md)
+# make test-multirank-loop   the multi-rank checks 20 times in a row, stopping at the first failure (not in CI)
 # make bench    throughput and memory on a GPU (bench/benchmark.py; BENCH_ARGS="--only sampler" etc.)
 PYTHON ?= python3
 VENV ?= .venv
@@ -28,7 +29,7 @@ MODEL ?=
 PARTS_DIR ?=
 fetch-model = $(PY) -m common.real_model --name $(1) $(if $(PARTS_DIR),--parts-dir "$(PARTS_DIR)")
 
-.PHONY: install run test sanity sanity-ci sanity-real sanity-cot real-model bench clean
+.PHONY: install run test test-multirank-loop sanity sanity-ci sanity-real sanity-cot real-model bench clean
 
 install: $(VENV)/.installed
 
@@ -48,6 +49,10 @@ run: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# an abort at process exit shows only now and then: run the multi-rank checks many times (minutes; not part of CI)
+test-multirank-loop: install
+	PYTHON=$(PY) tests/loop_multirank.sh 20
 
 # the whole sanity test: the perfectible set of the built-in task (k = 40), grpo, pg_is, gspo and ppo at fp32, fp16
 # and bf16 (fp32 and fp16 must pass), the offline mismatch analysis; report in runs/sanity/report.md

@@ -258,7 +258,7 @@ def validate(args: Args, world_size: int) -> None:
 
 
 def main(args: Args) -> None:
-    rank, world_size, device = setup_distributed()
+    rank, world_size, device = setup_distributed(cpu_offload=args.cpu_offload)  # gloo only for offload
     validate(args, world_size)
     train_prec, rollout_prec = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
     seed_everything(args.seed)

@@ -343,7 +343,7 @@ def validate(args: Args, world_size: int) -> None:
 
 
 def main(args: Args) -> None:
-    rank, world_size, device = setup_distributed()
+    rank, world_size, device = setup_distributed(cpu_offload=args.cpu_offload)  # gloo only for offload
     validate(args, world_size)
     train_prec, rollout_prec = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
     seed_everything(args.seed)
@@ -385,7 +385,7 @@ def main(args: Args) -> None:
     # as the policy (same MixedPrecisionPolicy, fp32 master weights, --cpu-offload), with its own AdamW and loss scaler
     critic = load_critic(critic_resume_dir or model_path, DTYPES[train_prec], device, args.gradient_checkpointing,
                          seed=args.seed, cpu_offload=args.cpu_offload, compile=args.compile)
-    critic_params = list(critic.parameters())
+    critic_params = [p for p in critic.parameters() if p.requires_grad]  # PPO: (an untied lm_head is frozen)
     critic_optimizer = torch.optim.AdamW(critic_params, lr=args.critic_lr, betas=args.adam_betas,
                                          weight_decay=args.weight_decay)
     critic_scaler = LossScaler(enabled=train_prec == "fp16", max_consecutive_skips=args.max_skipped_steps)

@@ -5,9 +5,12 @@
   - optimizer/: the AdamW state as torch.distributed.checkpoint (DCP) shards, each rank writing its own, so the state
     (twice the fp32 weights: 61 GB at 7B) never funnels through one rank. DCP reshards on load: a run saved on 8
     ranks resumes on 4 (the weights come from model.safetensors, each rank reading only its rows);
-  - trainer_state.json (step, loss scaler, ...) and rng_rank{r}.pt (each rank's RNG streams, the sampler's among
-    them). Resumed on other ranks, rank r takes rng_rank{r}.pt where there is one (sampling streams then differ from
-    an uninterrupted run, as they would on any other number of ranks).
+  - trainer_state.json (step, loss scaler, ...) and rng_rank{r}.json (each rank's RNG streams, the sampler's among
+    them; JSON, not a pickle: reading it runs no code). Resumed on other ranks, rank r takes rng_rank{r}.json where
+    there is one (sampling streams then differ from an uninterrupted run, as they would on any other number of
+    ranks).
+What resuming reads that is not plain data: optimizer/.metadata, which DCP writes and reads as a pickle. Resume only
+from checkpoints you trust; a checkpoint given as --model is read as safetensors and JSON only (docs/checkpoints.md).
 Every rank writes into the same directory: the run directory must be on a filesystem every node sees
 (check_shared_dir says so at the start of a run, not at the first save).
 
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from common.dist import reduce_stats
@@ -52,6 +56,35 @@ def set_rng_state(state: dict, generator: torch.Generator | None = None) -> None
         generator.set_state(state["sampler"])
 
 
+def rng_to_json(state: dict) -> dict:
+    """An rng_state() as plain JSON (numbers and lists): a checkpoint's RNG file is then read without unpickling,
+    i.e. without running code a shared checkpoint could carry."""
+    out = {}
+    for key, value in state.items():
+        if key == "python":
+            version, internal, gauss = value
+            out[key] = [version, list(internal), gauss]
+        elif key == "numpy":
+            name, keys, pos, has_gauss, cached = value
+            out[key] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+        else:  # torch, cuda, sampler: byte tensors
+            out[key] = value.tolist()
+    return out
+
+
+def rng_from_json(data: dict) -> dict:
+    """The inverse of rng_to_json."""
+    out = {}
+    for key, value in data.items():
+        if key == "python":
+            out[key] = (value[0], tuple(value[1]), value[2])
+        elif key == "numpy":
+            out[key] = (value[0], np.array(value[1], dtype=np.uint32), *value[2:])
+        else:
+            out[key] = torch.tensor(value, dtype=torch.uint8)
+    return out
+
+
 def save_checkpoint(ckpt_root: str, step: int, model: torch.nn.Module, lm: torch.nn.Module, tokenizer,
                     optimizer: torch.optim.Optimizer | None, trainer_state: dict, rank_state: dict,
                     keep_last: int = 0) -> str:
@@ -63,7 +96,8 @@ def save_checkpoint(ckpt_root: str, step: int, model: torch.nn.Module, lm: torch
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     os.makedirs(tmp, exist_ok=True)  # by every rank: none writes into a directory it has not seen made
-    torch.save(rank_state, os.path.join(tmp, f"rng_rank{rank}.pt"))
+    with open(os.path.join(tmp, f"rng_rank{rank}.json"), "w") as f:
+        json.dump(rng_to_json(rank_state), f)
     if optimizer is not None:  # each rank writes its shard of the AdamW state
         dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(tmp, "optimizer"))
     # the weights, fp32, gathered one tensor at a time and written by rank 0 as they come (a tied lm_head is stored
@@ -163,6 +197,15 @@ def find_resume_dir(resume: str, ckpt_root: str) -> str:
     return path
 
 
+def first_failure(e: CheckpointException) -> str:
+    """The first line of the first failing rank's error, out of DCP's exception (which gathers every rank's)."""
+    for rank, (err, _traceback) in sorted(e.failures.items()):
+        text = str(err).strip().splitlines()
+        return f"rank {rank}: {type(err).__name__}: {text[0] if text else ''}"
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
 def load_training_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
     """Optimizer state (each rank reads the parts of the DCP shards it now holds: any number of ranks),
     trainer_state.json and this rank's RNG state (empty when the checkpoint was written by fewer ranks). The weights
@@ -170,10 +213,20 @@ def load_training_state(path: str, model: torch.nn.Module, optimizer: torch.opti
     rank = dist.get_rank()
     if optimizer is not None:
         state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # the layout this run holds (zeros)
-        dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
+        try:
+            dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
+        except CheckpointException as e:  # a BaseException, whose message holds every rank's traceback: one line
+            raise ValueError(f"--resume {path}: its optimizer state does not fit this model and optimizer "
+                             f"({first_failure(e)})") from e
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
     with open(os.path.join(path, "trainer_state.json")) as f:
         trainer_state = json.load(f)
-    rng_file = os.path.join(path, f"rng_rank{rank}.pt")
-    rank_state = torch.load(rng_file, weights_only=False) if os.path.exists(rng_file) else {}
+    rng_file = os.path.join(path, f"rng_rank{rank}.json")
+    rank_state = {}
+    if os.path.exists(rng_file):
+        with open(rng_file) as f:
+            rank_state = rng_from_json(json.load(f))
+    elif rank == 0 and os.path.exists(os.path.join(path, f"rng_rank{rank}.pt")):  # (written by an older version)
+        print(f"[resume] {path}: rng_rank*.pt not read (a pickle: loading it could run code); the random streams "
+              "start afresh", flush=True)
     return trainer_state, rank_state

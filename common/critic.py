@@ -15,8 +15,8 @@ from common.logprobs import response_positions
 
 
 class CriticModel(nn.Module):
-    """`lm`: a Hugging Face causal LM (its lm_head is not used; keeping it makes the critic's checkpoint an ordinary
-    model directory, like the policy's). `value_head`: nn.Linear(hidden, 1) on the final hidden states.
+    """`lm`: a Hugging Face causal LM (its lm_head is not used, and frozen when untied; keeping it makes the critic's
+    checkpoint an ordinary model directory, like the policy's). `value_head`: nn.Linear(hidden, 1) on the final hidden states.
 
     FSDP2 shards each decoder layer, then this wrapper as the root, which so owns the embedding, the final norm, the
     (unused) lm_head and the value head.
@@ -66,6 +66,11 @@ def load_critic(path: str, param_dtype: torch.dtype, device: torch.device, gradi
             with torch.no_grad():
                 head.weight.copy_(torch.tensor(saved["weight"], dtype=torch.float32))
                 head.bias.copy_(torch.tensor(saved["bias"], dtype=torch.float32))
+        # an untied lm_head is never used by the critic: frozen, so that no optimizer holds it (AdamW would keep no
+        # state for a weight that gets no gradient, while a resumed run's fresh optimizer asks the checkpoint for its
+        # state: "Missing key ... lm.lm_head.weight.step"). Tied, it is the embedding, which the critic trains
+        if lm.get_output_embeddings().weight is not lm.get_input_embeddings().weight:
+            lm.get_output_embeddings().weight.requires_grad_(False)
         return CriticModel(lm, head)  # the FSDP root: embedding, final norm, (unused) lm_head, value head
     return load_sharded(path, wrap, param_dtype, device, gradient_checkpointing, attn_implementation, cpu_offload,
                         compile)

@@ -12,23 +12,32 @@ import torch
 import torch.distributed as dist
 
 
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """Initialise the process group (nccl for GPU tensors and gloo for CPU tensors on GPU, gloo on CPU). Returns
-    (rank, world_size, device)."""
+def backend_for(cuda: bool, cpu_offload: bool) -> str:
+    """The process group's backend. GPU: nccl, and gloo beside it only with cpu_offload (one group, two backends,
+    each collective taking its tensors' one: the offloaded gradients are CPU tensors and clip_grad_norm_ all-reduces
+    their norm there). gloo connects every pair of ranks at start over the interface the hostname resolves to, which
+    on some clusters is a loopback or wrong one (it then fails or hangs unless GLOO_SOCKET_IFNAME names the right
+    interface: docs/checkpoints.md), so a run without offload does not create it; object collectives
+    (broadcast_object_list, all_gather_object) run over nccl. CPU: gloo."""
+    if not cuda:
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+
+
+def setup_distributed(cpu_offload: bool = False) -> tuple[int, int, torch.device]:
+    """Initialise the process group (backend_for: nccl on GPU, with gloo for CPU tensors when cpu_offload; gloo on
+    CPU). Returns (rank, world_size, device)."""
     torchrun = "RANK" in os.environ
     rank, world_size = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if torchrun else (0, 1)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        # one group, two backends, each collective taking its tensors' one: with --cpu-offload the gradients are CPU
-        # tensors and clip_grad_norm_ all-reduces their norm there. GPU tensors still go through nccl (device_id
-        # binds the nccl side to this GPU); vLLM's external_launcher only reads this group's ranks and makes its own
-        # nccl and gloo groups
-        backend = "cuda:nccl,cpu:gloo"
+        torch.cuda.set_device(device)  # (object collectives over nccl use the current device)
+        # device_id binds the nccl side to this GPU; vLLM's external_launcher only reads this group's ranks and
+        # makes its own nccl and gloo groups
     else:
         device = torch.device("cpu")
-        backend = "gloo"
+    backend = backend_for(device.type == "cuda", cpu_offload)
     if not dist.is_initialized():
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         if not torchrun:  # plain `python script.py`: a group of one on a free local port

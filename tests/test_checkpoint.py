@@ -2,6 +2,7 @@
 rank 0 streams the weights into a Hugging Face directory, and a run resumes on another number of ranks with the
 very state that was saved. A run directory that not every rank sees is refused at the start."""
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -47,3 +48,89 @@ def test_checkpoint_of_an_offloaded_run_resumes_with_and_without_offload(tmp_pat
 def test_run_dir_not_seen_by_every_rank_is_refused(tmp_path):
     for r in torchrun(2, "shared_dir", str(tmp_path / "run"), str(tmp_path / "out")):
         assert r["refused"] and "shared filesystem" in r["refused"]
+
+
+def test_an_optimizer_state_that_does_not_fit_is_a_one_line_error(tmp_path, process_group):
+    """DCP's CheckpointException is a BaseException (the scripts' one-line handler missed it) whose message is every
+    rank's traceback: loading a tied model's AdamW state into an untied model's optimizer (which wants a state for
+    lm_head too) is a ValueError of one line."""
+    from common.checkpoint import load_training_state, rng_state, save_checkpoint
+    from common.fsdp import load_policy
+    from common.logprobs import collate
+    from transformers import AutoTokenizer
+    _, _, device = process_group
+    runs = {}
+    for tie in (True, False):
+        path = make_tiny_model_dir(str(tmp_path / f"m{tie}"), tie=tie)
+        model = load_policy(path, torch.float32, device, gradient_checkpointing=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        logp, _ = model(*collate([[4, 5]], [[6, 7]], 0, device), 1.0, 16)
+        (-logp.sum()).backward()
+        optimizer.step()
+        runs[tie] = (path, model, optimizer)
+    path, model, optimizer = runs[True]
+    ckpt = save_checkpoint(str(tmp_path / "ckpt"), 1, model, model.lm, AutoTokenizer.from_pretrained(path), optimizer,
+                           {}, rng_state())
+    _, model, optimizer = runs[False]
+    with pytest.raises(ValueError) as e:
+        load_training_state(ckpt, model, optimizer)
+    assert "lm_head" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+class RunsCode:
+    """A pickle that, when loaded, creates the directory `marker`: what a shared checkpoint could carry."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+def test_rng_state_round_trips_through_json(process_group):
+    import json
+    from common.checkpoint import rng_from_json, rng_state, rng_to_json, set_rng_state
+    import random
+    import numpy as np
+    g = torch.Generator().manual_seed(3)
+    saved = json.loads(json.dumps(rng_to_json(rng_state(g))))
+    draws = [random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, generator=g).item()]
+    set_rng_state(rng_from_json(saved), g)
+    assert [random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, generator=g).item()] == draws
+
+
+def test_resume_does_not_unpickle_the_rng_files(tmp_path, process_group):
+    """A checkpoint's rng_rank0.pt that runs code when unpickled (resume loaded it with weights_only=False): not
+    read; the RNG state comes from rng_rank0.json only."""
+    import json
+    from common.checkpoint import load_training_state
+    ckpt, marker = tmp_path / "step_000001", tmp_path / "pwned"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1}))
+    torch.save(RunsCode(str(marker)), ckpt / "rng_rank0.pt")
+    state, rank_state = load_training_state(str(ckpt), None, None)
+    assert state["step"] == 1 and rank_state == {}
+    assert not marker.exists()
+
+
+def test_a_checkpoint_as_model_is_read_as_safetensors_and_json_only(tmp_path):
+    """--model <checkpoint dir>: grpo.py trains a step from a model directory that also holds pickles which run code
+    when loaded (DCP's optimizer/.metadata, an old rng_rank0.pt, a pytorch_model.bin and training_args.bin beside
+    the safetensors): none of them is loaded."""
+    import json
+    path = make_tiny_model_dir(str(tmp_path / "m"))
+    marker = tmp_path / "pwned"
+    os.makedirs(os.path.join(path, "optimizer"))
+    for name in ("optimizer/.metadata", "rng_rank0.pt", "pytorch_model.bin", "training_args.bin"):
+        with open(os.path.join(path, name), "wb") as f:
+            pickle.dump(RunsCode(str(marker)), f)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"problem": f"{a}+{a}=", "answer": str(2 * a)}) + "\n"
+                                                  for a in range(8)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run([sys.executable, "grpo.py", "--model", path, "--dataset", str(tmp_path / "train.jsonl"),
+                        "--run-dir", str(tmp_path / "run"), "--prompt-template", "{problem}", "--reward", "exact",
+                        "--max-prompt-len", "16", "--max-response-len", "4", "--precision", "fp32", "--num-steps", "1",
+                        "--num-prompts", "4", "--group-size", "2", "--num-minibatches", "1", "--eval-every", "0"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert not marker.exists()

