@@ -1,0 +1,102 @@
+"""Bad input and faults as a new user meets them, in all four scripts (grpo.py, pg_is.py, gspo.py, ppo.py): values
+out of range, run directories (one run per directory, one at a time), broken model directories, a reward that always
+fails, Ctrl-C. Bad input ends in a one-line error and exit code 2 before any model loads; a fault in exit code 3;
+Ctrl-C in exit code 130 with the step and how to resume (docs/faults.md)."""
+import fcntl
+import importlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from common import rewards
+from common.evaluate import evaluate
+from common.fsdp import check_model_dir
+from common.rewards import score_rollout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+SCRIPTS = ["grpo.py", "pg_is.py", "gspo.py", "ppo.py"]
+GROUP_BASELINE = ["grpo.py", "pg_is.py", "gspo.py"]  # their advantage is the reward minus the group's mean
+SMALL = ["--num-prompts", "8", "--group-size", "4", "--num-minibatches", "2", "--eval-every", "0", "--save-every",
+         "0"]
+
+
+def script(name):
+    return importlib.import_module(name.removesuffix(".py"))
+
+
+def run(name, *args, timeout=600):
+    return subprocess.run([sys.executable, name, *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_one_line_error(p, code, message):
+    assert p.returncode == code, p.stderr[-3000:]
+    errors = [line for line in p.stderr.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and message in errors[0], p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# broken model directories
+
+
+def test_truncated_weights_are_refused(tiny_model_dir, tmp_path):
+    d = shutil.copytree(tiny_model_dir, tmp_path / "m")
+    size = os.path.getsize(d / "model.safetensors")
+    with open(d / "model.safetensors", "r+b") as f:
+        f.truncate(size - 1000)  # an interrupted copy
+    with pytest.raises(ValueError, match=f"model.safetensors is truncated: {size - 1000} bytes, its header "
+                                         f"describes {size}"):
+        check_model_dir(str(d))
+    with open(d / "model.safetensors", "r+b") as f:
+        f.truncate(4)  # not even the header's length
+    with pytest.raises(ValueError, match="model.safetensors is not a complete safetensors file"):
+        check_model_dir(str(d))
+
+
+def test_sharded_weights_with_a_missing_or_truncated_shard_are_refused(tiny_model_dir, tmp_path):
+    d = shutil.copytree(tiny_model_dir, tmp_path / "m")
+    os.rename(d / "model.safetensors", d / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors, listed in "
+                                                "model.safetensors.index.json, is missing"):
+        check_model_dir(str(d))
+    shutil.copy(d / "model-00001-of-00002.safetensors", d / "model-00002-of-00002.safetensors")
+    check_model_dir(str(d))
+    with open(d / "model-00002-of-00002.safetensors", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors is"):
+        check_model_dir(str(d))
+
+
+def test_weights_without_a_tokenizer_are_refused(tiny_model_dir, tmp_path):
+    d = shutil.copytree(tiny_model_dir, tmp_path / "m")
+    for name in os.listdir(d):
+        if "token" in name:
+            os.remove(d / name)
+    with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+        check_model_dir(str(d))
+
+
+@pytest.mark.parametrize("broken", ["truncated", "no tokenizer"])
+def test_broken_model_directory_exits_2_before_a_model_loads(tiny_model_dir, tmp_path, broken):
+    d = shutil.copytree(tiny_model_dir, tmp_path / "m")
+    if broken == "truncated":
+        with open(d / "model.safetensors", "r+b") as f:
+            f.truncate(os.path.getsize(d / "model.safetensors") // 2)
+    else:
+        os.remove(d / "tokenizer.json")
+    p = run("grpo.py", "--model", str(d), "--run-dir", str(tmp_path / "run"), "--reward", "exact", "--prompt-template",
+            "{problem}")
+    assert_one_line_error(p, 2, f"--model {str(d)!r}: ")
+    assert "Loading weights" not in p.stderr and "[data]" not in p.stdout
+
+
