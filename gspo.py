@@ -367,7 +367,12 @@ def main(args: Args) -> None:
         # --- 2. rewards and std-normalized advantages (GSPO eq. 6; groups are whole on each rank)
         texts = tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
         answers = [p["answer"] for p in batch for _ in range(args.group_size)]
-        rewards, reward_failures = score_rollout(texts, answers, rollout.finished, args.reward, args.truncated_reward)
+        rewards, reward_failures = score_rollout(texts, answers, rollout.finished, args.reward, args.truncated_reward,
+                                                 progress=rank == 0)
+        n = reduce_stats({"failed": reward_failures, "checked": sum(rollout.finished)}, "sum", device)
+        if n["checked"] and n["failed"] == n["checked"]:  # a broken reward function: nothing to learn from zeros
+            raise TrainingFault(f"step {step}: every reward check of the step failed ({int(n['failed'])} responses; "
+                                "the first error of each kind is printed above); stopped before training on it")
         rewards_B = torch.tensor(rewards)
         adv_B = std_advantages(rewards_B, args.group_size)  # GSPO
         resp_lens = [len(r) for r in rollout.response_ids]

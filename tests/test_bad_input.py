@@ -100,3 +100,59 @@ def test_broken_model_directory_exits_2_before_a_model_loads(tiny_model_dir, tmp
     assert "Loading weights" not in p.stderr and "[data]" not in p.stdout
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# rewards that fail, and slow ones
+
+
+class Sampler:  # one response "2" per sample
+    def generate(self, prompts, n, max_new_tokens, temperature, top_p=1.0):
+        from common.sampler import Rollout
+        out = Rollout()
+        for p in prompts:
+            for _ in range(n):
+                out.prompt_ids.append(p)
+                out.response_ids.append([4])
+                out.logprobs.append(None)
+                out.finished.append(True)
+        return out
+
+
+class Tokenizer:
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return ["2" for _ in ids]
+
+
+def failing_check(response, answer):
+    raise RuntimeError("reward service down")
+
+
+def test_evaluation_counts_reward_failures(process_group, monkeypatch):
+    _, _, device = process_group
+    problems = {"aime": [{"prompt_ids": [5, 6], "answer": "2"}, {"prompt_ids": [7], "answer": "3"}]}
+    metrics = evaluate(Sampler(), Tokenizer(), problems, 3, 1.0, 1.0, 8, "exact", 0, 1, device)
+    assert metrics == {"eval/aime/accuracy": 0.5, "eval/aime/reward_failures": 0.0}
+    monkeypatch.setitem(rewards._CHECKS, "exact", failing_check)
+    metrics = evaluate(Sampler(), Tokenizer(), problems, 3, 1.0, 1.0, 8, "exact", 0, 1, device)
+    assert metrics == {"eval/aime/accuracy": 0.0, "eval/aime/reward_failures": 6.0}
+
+
+def test_scoring_shows_progress_when_asked(monkeypatch, capsys):
+    monkeypatch.setattr(rewards, "PROGRESS_EVERY_S", 0.0)  # a line at every check, as if each took long
+    responses = ["1", "2", "3"]
+    assert score_rollout(responses, ["1", "1", "3"], [True] * 3, "exact", progress=True) == ([1.0, 0.0, 1.0], 0)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[reward]")]
+    assert lines[-1].startswith("[reward] 3 of 3 responses checked") and len(lines) == 3, lines
+    score_rollout(responses, ["1", "1", "3"], [True] * 3, "exact")  # other ranks: quiet
+    assert "[reward]" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_reward_failing_on_every_response_stops_the_run(name, tmp_path):
+    p = subprocess.run([sys.executable, "tests/fault_injection.py", name, "reward-all", "1", "--run-dir",
+                        str(tmp_path), "--num-steps", "3", *SMALL], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=600)
+    assert_one_line_error(p, 3, "step 1: every reward check of the step failed")
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert not [r for r in rows if "train/accuracy" in r]  # stopped before training on the zeros
+
+
