@@ -59,6 +59,7 @@ from common.metrics import MismatchMonitor, mismatch_metrics, mismatch_stats
 from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
                               resolve_precisions)
 from common.rewards import check_reward, score_rollout
+from common.rundir import claim_run_dir
 from common.sampler import make_sampler, resolve_sampler
 
 
@@ -204,6 +205,9 @@ class Args:
     """keep the newest N checkpoints (0: all)"""
     resume: str | None = None
     """resume from a checkpoint directory, or 'latest' for the newest one in <run_dir>/checkpoints"""
+    overwrite: bool = False
+    """start a new run in a --run-dir that holds another one: remove that run's files first (config.json,
+    metrics.jsonl, checkpoints/); without it (or --resume) such a directory is refused (docs/faults.md)"""
 
 
 # The built-in task's defaults (a 0.4M-parameter model learning addition on a CPU in a minute or two). Evaluation
@@ -340,6 +344,8 @@ def validate(args: Args, world_size: int) -> None:
             raise FileNotFoundError(f"dataset {path!r}: no such file")
     if args.resume not in (None, "latest") and not os.path.isdir(args.resume):
         raise FileNotFoundError(f"--resume {args.resume!r}: no such directory")
+    if args.overwrite and args.resume is not None:
+        raise ValueError("--overwrite removes the run that --resume would continue: give one or the other")
 
 
 def main(args: Args) -> None:
@@ -349,6 +355,8 @@ def main(args: Args) -> None:
     seed_everything(args.seed)
     run_dir = args.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}")
     ckpt_root = os.path.join(run_dir, "checkpoints")
+    # one run per directory, one at a time: rank 0 holds the directory's lock until this process ends
+    run_lock = claim_run_dir(run_dir, args.resume is not None, args.overwrite)  # noqa: F841
     check_shared_dir(run_dir, device)  # every rank writes its shards into the checkpoints: fail now, not at a save
     critic_root = os.path.join(run_dir, "critic_checkpoints")  # PPO: the critic's checkpoints, same step names
 

@@ -44,6 +44,64 @@ def assert_one_line_error(p, code, message):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# run directories: one run per directory, one at a time
+
+
+def old_run(path):
+    """What a finished run leaves, and a log a user tees into the directory."""
+    os.makedirs(path / "checkpoints" / "step_000005")
+    (path / "checkpoints" / "step_000005" / "trainer_state.json").write_text('{"step": 5}')
+    (path / "config.json").write_text("{}")
+    (path / "metrics.jsonl").write_text('{"step": 5}\n')
+    (path / "train.log").write_text("old log\n")
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_new_run_refuses_a_directory_holding_another_run(name, tmp_path):
+    old_run(tmp_path)
+    p = run(name, "--run-dir", str(tmp_path), "--num-steps", "1", *SMALL)
+    assert_one_line_error(p, 2, f"--run-dir {str(tmp_path)!r} holds another run")
+    assert "--resume latest" in p.stderr and "--overwrite" in p.stderr
+    assert "Loading weights" not in p.stderr and "[data]" not in p.stdout
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 5}\n'  # untouched
+
+
+def test_overwrite_removes_the_old_run_and_keeps_other_files(tmp_path):
+    from common.rundir import LOCK_FILE
+    old_run(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("")
+    # --overwrite takes effect before the data loads: a bad dataset then stops the run, with the old run gone
+    p = run("grpo.py", "--run-dir", str(tmp_path), "--overwrite", "--dataset", str(tmp_path / "empty.jsonl"))
+    assert_one_line_error(p, 2, "the dataset is empty")
+    assert sorted(os.listdir(tmp_path)) == [LOCK_FILE, "empty.jsonl", "train.log"]
+
+
+def test_claim_run_dir_rules(tmp_path):
+    from common.rundir import LOCK_FILE, claim_run_dir
+    d = str(tmp_path / "run")
+    lock = claim_run_dir(d, resume=False, overwrite=False)  # made, locked
+    with pytest.raises(ValueError, match="another run is using it"):
+        claim_run_dir(d, resume=True, overwrite=False)  # a second claim: refused while the first holds the lock
+    lock.close()
+    (tmp_path / "run" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="holds another run"):
+        claim_run_dir(d, resume=False, overwrite=False)
+    claim_run_dir(d, resume=True, overwrite=False).close()  # resuming continues the run that is there
+    claim_run_dir(d, resume=False, overwrite=True).close()
+    assert os.listdir(d) == [LOCK_FILE]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_second_run_in_a_locked_directory_fails_at_once(name, tmp_path):
+    from common.rundir import LOCK_FILE
+    with open(tmp_path / LOCK_FILE, "a") as held:  # a run in progress holds this lock
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        p = run(name, "--run-dir", str(tmp_path), "--num-steps", "1", *SMALL)
+    assert_one_line_error(p, 2, f"--run-dir {str(tmp_path)!r}: another run is using it")
+    assert "Loading weights" not in p.stderr and "[data]" not in p.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # broken model directories
 
 
