@@ -32,6 +32,7 @@ Checkpoints: <run_dir>/checkpoints/ as grpo.py (the policy, a Hugging Face direc
 scaler and value head in trainer_state.json); --resume restores both.
 """
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -327,13 +328,41 @@ def validate(args: Args, world_size: int) -> None:
         if a % b:
             raise ValueError(f"{what}: {a} is not divisible by {b}")
         return a // b
+    finite = math.isfinite
+    ranges = [  # (field, valid(value), what is valid); checked before the divisions below, which a 0 would break
+        *[(name, lambda x: x >= 1, "at least 1") for name in (
+            "num_steps", "num_prompts", "num_minibatches", "micro_batch_tokens", "max_prompt_len", "max_response_len",
+            "sampler_batch_size", "vllm_tp", "logprob_chunk", "kl_baseline_steps", "eval_k")],
+        *[(name, lambda x: x >= 0, "at least 0") for name in (
+            "seed", "max_skipped_steps", "eval_every", "eval_max_problems", "save_every", "keep_last")],
+        ("group_size", lambda x: x >= 1, "at least 1"),  # PPO: the critic's value is the baseline, not the group
+        ("temperature", lambda x: finite(x) and x > 0, "finite and > 0"),
+        ("lr", lambda x: finite(x) and x > 0, "finite and > 0"),
+        ("adam_betas", lambda b: all(0 <= x < 1 for x in b), "two numbers in [0, 1)"),
+        ("weight_decay", lambda x: finite(x) and x >= 0, "finite and >= 0"),
+        ("max_grad_norm", lambda x: x > 0, "> 0 (inf: no clipping)"),
+        ("eps_low", lambda x: 0 <= x < 1, "in [0, 1)"),
+        ("eps_high", lambda x: finite(x) and x >= 0, "finite and >= 0"),
+        ("critic_lr", lambda x: finite(x) and x > 0, "finite and > 0"),  # PPO
+        ("gamma", lambda x: 0 <= x <= 1, "in [0, 1]"),  # PPO
+        ("lam", lambda x: 0 <= x <= 1, "in [0, 1]"),  # PPO
+        ("value_clip", lambda x: finite(x) and x > 0, "finite and > 0"),  # PPO
+        ("is_threshold", lambda x: finite(x) and x > 0, "finite and > 0"),
+        ("truncated_reward", finite, "finite"),
+        ("kl_warn_factor", lambda x: finite(x) and x >= 0, "finite and >= 0 (0: off)"),
+        ("eval_temperature", lambda x: finite(x) and x >= 0, "finite and >= 0 (0: greedy)"),
+        ("eval_top_p", lambda x: 0 < x <= 1, "in (0, 1]"),
+        ("vllm_gpu_memory_utilization", lambda x: 0 < x <= 1, "in (0, 1]"),
+        ("vllm_kv_cache_gib", lambda x: finite(x) and x >= 0, "finite and >= 0 (0: measured)"),
+    ]
+    for name, valid, what in ranges:
+        if not valid(getattr(args, name)):
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be {what}")
     exact(args.num_prompts, world_size, "--num-prompts over the ranks (world size)")
     exact(args.num_prompts // world_size, args.num_minibatches, "--num-prompts per rank over --num-minibatches")
     if args.top_p != 1.0:
         raise ValueError("--top-p must be 1.0 for training rollouts: a truncated distribution makes mu and pi "
                          "incomparable (use --eval-top-p for evaluation)")
-    if args.temperature <= 0:
-        raise ValueError("--temperature must be > 0 for training rollouts")
     exact(world_size, args.vllm_tp, "the number of ranks over --vllm-tp")
     resolve_sampler(args.sampler)
     check_reward(args.reward)  # imports a plug-in's module here, so that a typo fails before any model loads

@@ -44,6 +44,77 @@ def assert_one_line_error(p, code, message):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# values out of range: refused by validate, before any model loads
+
+
+BAD_VALUES = [  # (flags, the flag the one-line error must name); every script
+    (["--max-response-len", "0"], "--max-response-len"), (["--max-prompt-len", "0"], "--max-prompt-len"),
+    (["--num-minibatches", "0"], "--num-minibatches"), (["--num-prompts", "0"], "--num-prompts"),
+    (["--num-prompts", "-8"], "--num-prompts"), (["--group-size", "-2"], "--group-size"),
+    (["--group-size", "0"], "--group-size"), (["--num-steps", "0"], "--num-steps"), (["--eval-k", "0"], "--eval-k"),
+    (["--seed", "-1"], "--seed"), (["--micro-batch-tokens", "0"], "--micro-batch-tokens"),
+    (["--sampler-batch-size", "0"], "--sampler-batch-size"), (["--vllm-tp", "0"], "--vllm-tp"),
+    (["--logprob-chunk", "0"], "--logprob-chunk"), (["--kl-baseline-steps", "0"], "--kl-baseline-steps"),
+    (["--max-skipped-steps", "-1"], "--max-skipped-steps"), (["--eval-every", "-1"], "--eval-every"),
+    (["--eval-max-problems", "-1"], "--eval-max-problems"), (["--save-every", "-1"], "--save-every"),
+    (["--keep-last", "-1"], "--keep-last"),
+    (["--temperature", "nan"], "--temperature"), (["--temperature", "inf"], "--temperature"),
+    (["--temperature", "0"], "--temperature"), (["--lr", "-1"], "--lr"), (["--lr", "nan"], "--lr"),
+    (["--lr", "0"], "--lr"), (["--adam-betas", "0.9", "1.0"], "--adam-betas"),
+    (["--adam-betas", "-0.1", "0.95"], "--adam-betas"), (["--weight-decay", "-0.1"], "--weight-decay"),
+    (["--weight-decay", "nan"], "--weight-decay"), (["--max-grad-norm", "0"], "--max-grad-norm"),
+    (["--max-grad-norm", "nan"], "--max-grad-norm"), (["--is-threshold", "0"], "--is-threshold"),
+    (["--is-threshold", "nan"], "--is-threshold"), (["--truncated-reward", "nan"], "--truncated-reward"),
+    (["--kl-warn-factor", "-1"], "--kl-warn-factor"), (["--kl-warn-factor", "nan"], "--kl-warn-factor"),
+    (["--eval-temperature", "-0.5"], "--eval-temperature"), (["--eval-temperature", "nan"], "--eval-temperature"),
+    (["--eval-top-p", "0"], "--eval-top-p"), (["--eval-top-p", "1.5"], "--eval-top-p"),
+    (["--vllm-gpu-memory-utilization", "0"], "--vllm-gpu-memory-utilization"),
+    (["--vllm-gpu-memory-utilization", "1.5"], "--vllm-gpu-memory-utilization"),
+    (["--vllm-kv-cache-gib", "-1"], "--vllm-kv-cache-gib"), (["--vllm-kv-cache-gib", "inf"], "--vllm-kv-cache-gib"),
+    (["--overwrite", "--resume", "latest"], "--overwrite"),
+]
+CLIP = [(["--eps-low", "1.0"], "--eps-low"), (["--eps-low", "-0.1"], "--eps-low"), (["--eps-high", "-0.1"], "--eps-high"),
+        (["--eps-high", "nan"], "--eps-high")]  # the scripts with a PPO clip
+PPO = [(["--critic-lr", "0"], "--critic-lr"), (["--gamma", "1.5"], "--gamma"), (["--gamma", "nan"], "--gamma"),
+       (["--lam", "-0.1"], "--lam"), (["--value-clip", "0"], "--value-clip")]
+CASES = ([(s, *case) for s in SCRIPTS for case in BAD_VALUES]
+         + [(s, *case) for s in ("grpo.py", "gspo.py", "ppo.py") for case in CLIP]
+         + [("ppo.py", *case) for case in PPO]
+         + [(s, ["--group-size", "1"], "--group-size") for s in GROUP_BASELINE])
+
+
+@pytest.mark.parametrize("name,flags,flag", CASES, ids=[f"{c[0]}:{' '.join(c[1])}" for c in CASES])
+def test_validate_refuses_values_out_of_range(name, flags, flag):
+    m = script(name)
+    with pytest.raises(ValueError) as e:
+        m.validate(m.parse_args(flags), 1)
+    message = str(e.value)
+    assert flag in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_defaults_pass_validate(name, tiny_model_dir):
+    m = script(name)
+    m.validate(m.parse_args([]), 1)  # the built-in task's defaults
+    m.validate(m.parse_args(["--model", tiny_model_dir]), 1)  # the study's defaults
+    m.validate(m.parse_args(["--eval-temperature", "0", "--max-skipped-steps", "0", "--kl-warn-factor", "0",
+                             "--eval-every", "0", "--save-every", "0", "--keep-last", "0", "--seed", "0"]), 1)
+
+
+def test_ppo_takes_a_group_of_one():
+    """ppo.py's baseline is the critic's value, not the group's mean: one response per prompt is plain PPO."""
+    m = script("ppo.py")
+    m.validate(m.parse_args(["--group-size", "1"]), 1)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_out_of_range_value_exits_2_before_a_model_loads(name, tmp_path):
+    p = run(name, "--run-dir", str(tmp_path / "run"), "--max-response-len", "0")
+    assert_one_line_error(p, 2, "--max-response-len 0")
+    assert "Loading weights" not in p.stderr and "[data]" not in p.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # run directories: one run per directory, one at a time
 
 
