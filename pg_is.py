@@ -316,7 +316,11 @@ def validate(args: Args, world_size: int) -> None:
         raise ValueError("--overwrite removes the run that --resume would continue: give one or the other")
 
 
+current_step = 0  # the step in progress, which __main__'s message on Ctrl-C names
+
+
 def main(args: Args) -> None:
+    global current_step
     rank, world_size, device = setup_distributed()
     validate(args, world_size)
     train_prec, rollout_prec = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
@@ -413,6 +417,7 @@ def main(args: Args) -> None:
     if start_step == 0 and args.eval_every:
         run_eval(0)  # the starting point
     for step in range(start_step + 1, args.num_steps + 1):
+        current_step = step
         t_step = time.perf_counter()
         mem = phase_memory(device)  # {}; resets the peak; each phase adds its GPU memory (none on CPU)
         # --- 1. sample G responses per prompt with the sampler (weights = the current policy, rollout precision)
@@ -571,3 +576,9 @@ if __name__ == "__main__":
             raise
         print(f"{os.path.basename(__file__)}: error: {e}", file=sys.stderr)
         sys.exit(3 if isinstance(e, TrainingFault) else 2)  # 3: stopped by a fault, 2: bad input
+    except KeyboardInterrupt:  # Ctrl-C: where the run stopped and how to go on, not a traceback
+        if os.environ.get("DEBUG"):
+            raise
+        print(f"{os.path.basename(__file__)}: interrupted at step {current_step}; resume with --resume latest",
+              file=sys.stderr)
+        sys.exit(130)  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended

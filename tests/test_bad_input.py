@@ -285,3 +285,29 @@ def test_a_reward_failing_on_every_response_stops_the_run(name, tmp_path):
     assert not [r for r in rows if "train/accuracy" in r]  # stopped before training on the zeros
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Ctrl-C
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_ctrl_c_says_where_it_stopped_and_how_to_resume(name, tmp_path):
+    proc = subprocess.Popen([sys.executable, name, "--run-dir", str(tmp_path), "--num-steps", "10000", *SMALL],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        logged = []
+        for line in proc.stdout:  # no timing: the signal comes once step 1 is logged, whatever that takes
+            if m := re.match(r"step (\d+) \|", line):
+                logged.append(int(m.group(1)))
+                break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait()
+    logged += [int(m.group(1)) for m in re.finditer(r"^step (\d+) \|", out, re.M)]
+    assert proc.returncode == 130, err[-3000:]
+    m = re.search(rf"^{name}: interrupted at step (\d+); resume with --resume latest$", err, re.M)
+    assert m, err[-3000:]
+    # the step in progress: the last one logged, or the next one if it had begun
+    assert int(m.group(1)) in (logged[-1], logged[-1] + 1), (m.group(0), logged)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
