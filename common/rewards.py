@@ -33,7 +33,8 @@ CUDA or tokenizer threads.
 A plug-in reward runs in the same workers for the same reasons: it may hang or
 crash, and it must not take the training process down with it. A call that
 raises, runs past its time limit or returns anything but a finite number scores
-0 and counts as a failure (train/reward_failures), like a math check that times out.
+0 and counts as a failure (train/reward_failures, eval/<name>/reward_failures), like a math
+check that times out. A step whose every check failed stops the run (the scripts check it).
 """
 
 import atexit
@@ -50,7 +51,8 @@ import signal
 import subprocess
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from fractions import Fraction
 from functools import lru_cache
 
@@ -59,6 +61,7 @@ PLUGIN_TIMEOUT_S = 5.0  # time limit of one call of a plug-in reward (--reward m
 _KILL_GRACE_S = 1.0  # extra wait past the in-worker timer before we kill the worker
 _START_TIMEOUT_S = 120.0  # a fresh worker must import sympy/math-verify within this (and a plug-in its module)
 _WORKER_MEM_BYTES = 4 << 30  # address-space cap per worker: a runaway bignum gets MemoryError, not the OOM killer
+PROGRESS_EVERY_S = 10.0  # score_rollout(progress=True) prints a line this often while checking
 
 
 # ----------------------------------------------------------------------------
@@ -195,9 +198,10 @@ def score_responses(responses: list[str], answers: list[str], finished: list[boo
 
 
 def score_rollout(responses: list[str], answers: list[str], finished: list[bool], kind: str,
-                  truncated_reward: float = 0.0) -> tuple[list[float], int]:
+                  truncated_reward: float = 0.0, progress: bool = False) -> tuple[list[float], int]:
     """(reward per response, number of failed checks). A check that raises, times out or loses its worker scores 0
-    and is counted: a reward function never stops training. kind: math, exact, number or module:function."""
+    and is counted (the scripts stop when every check of a step failed). kind: math, exact, number or
+    module:function. progress: print a line every PROGRESS_EVERY_S while checking (a slow reward is not silence)."""
     check_reward(kind)  # a bad kind raises ValueError; a known one returns at once
     if not len(responses) == len(answers) == len(finished):
         raise ValueError(
@@ -217,15 +221,34 @@ def score_rollout(responses: list[str], answers: list[str], finished: list[bool]
     # math and plug-in checks mostly wait on worker processes, so keep several in flight from threads;
     # repeated (answer, gold) pairs, common within a group of samples, hit the math cache
     n_threads = min(NUM_WORKERS, len(todo)) if kind not in ("exact", "number") else 1
+    verdicts = {}
+    t0 = shown = time.monotonic()
+
+    def record(i: int, verdict: float | None) -> None:
+        nonlocal shown
+        verdicts[i] = verdict
+        if progress and time.monotonic() - shown >= PROGRESS_EVERY_S:
+            shown = time.monotonic()
+            failed = sum(v is None for v in verdicts.values())
+            print(f"[reward] {len(verdicts)} of {len(todo)} responses checked in {shown - t0:.0f} s ({failed} "
+                  "failed)", flush=True)
+
     if n_threads <= 1:
-        verdicts = [check(i) for i in todo]
+        for i in todo:
+            record(i, check(i))
     else:
         with ThreadPoolExecutor(n_threads) as pool:
-            verdicts = list(pool.map(check, todo))
+            futures = {pool.submit(check, i): i for i in todo}
+            try:
+                for future in as_completed(futures):
+                    record(futures[future], future.result())
+            except BaseException:  # Ctrl-C: drop the checks not yet started rather than wait for them all
+                pool.shutdown(cancel_futures=True)
+                raise
     failures = 0
-    for i, v in zip(todo, verdicts):
-        rewards[i] = 0.0 if v is None else float(v)
-        failures += v is None
+    for i in todo:
+        rewards[i] = 0.0 if verdicts[i] is None else float(verdicts[i])
+        failures += verdicts[i] is None
     return rewards, failures
 
 
@@ -247,7 +270,7 @@ def _report_failure(e: Exception) -> None:
     name = e.type_name if isinstance(e, RewardFunctionError) else type(e).__name__
     if name not in _reported:
         _reported.add(name)
-        print(f"[reward] a reward check raised {name}: {e} (scored 0, counted in train/reward_failures; "
+        print(f"[reward] a reward check raised {name}: {e} (scored 0, counted in the reward_failures metrics; "
               "reported once)", file=sys.stderr, flush=True)
 
 

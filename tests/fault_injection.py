@@ -3,8 +3,9 @@
     python tests/fault_injection.py SCRIPT MODE FROM_STEP [script args...]
 
 MODE nan: every loss is NaN (a broken model or loss; in fp16, an overflow every step);
-     reward: every other reward check raises; mismatch: the sampler's log-probs are all lowered by 1 (a mismatch
-     that jumps); nan-logprob: the sampler's log-probs of one response are NaN. Exits as the script's own __main__ would: 3 on a TrainingFault."""
+     reward: every other reward check raises; reward-all: every reward check raises (a broken reward function);
+     mismatch: the sampler's log-probs are all lowered by 1 (a mismatch that jumps); nan-logprob: the sampler's
+     log-probs of one response are NaN. Exits as the script's own __main__ would: 3 on a TrainingFault."""
 import importlib
 import os
 import sys
@@ -37,6 +38,13 @@ elif mode == "reward":
             raise RuntimeError("injected reward failure")
         return exact(response, answer)
     common.rewards._CHECKS["exact"] = flaky
+elif mode == "reward-all":
+    exact = common.rewards._CHECKS["exact"]
+    def broken(response, answer):  # noqa: E306
+        if on["now"]:
+            raise RuntimeError("injected reward failure")
+        return exact(response, answer)
+    common.rewards._CHECKS["exact"] = broken
 elif mode == "nan-logprob":  # the sampler reports a NaN log-prob (a forward that overflowed in 16 bits)
     generate = common.sampler.HFSampler.generate
     def nan_first(self, *a, **k):  # noqa: E306

@@ -1,0 +1,313 @@
+"""Bad input and faults as a new user meets them, in all four scripts (grpo.py, pg_is.py, gspo.py, ppo.py): values
+out of range, run directories (one run per directory, one at a time), broken model directories, a reward that always
+fails, Ctrl-C. Bad input ends in a one-line error and exit code 2 before any model loads; a fault in exit code 3;
+Ctrl-C in exit code 130 with the step and how to resume (docs/faults.md)."""
+import fcntl
+import importlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from common import rewards
+from common.evaluate import evaluate
+from common.fsdp import check_model_dir
+from common.rewards import score_rollout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+SCRIPTS = ["grpo.py", "pg_is.py", "gspo.py", "ppo.py"]
+GROUP_BASELINE = ["grpo.py", "pg_is.py", "gspo.py"]  # their advantage is the reward minus the group's mean
+SMALL = ["--num-prompts", "8", "--group-size", "4", "--num-minibatches", "2", "--eval-every", "0", "--save-every",
+         "0"]
+
+
+def script(name):
+    return importlib.import_module(name.removesuffix(".py"))
+
+
+def run(name, *args, timeout=600):
+    return subprocess.run([sys.executable, name, *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_one_line_error(p, code, message):
+    assert p.returncode == code, p.stderr[-3000:]
+    errors = [line for line in p.stderr.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and message in errors[0], p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# values out of range: refused by validate, before any model loads
+
+
+BAD_VALUES = [  # (flags, the flag the one-line error must name); every script
+    (["--max-response-len", "0"], "--max-response-len"), (["--max-prompt-len", "0"], "--max-prompt-len"),
+    (["--num-minibatches", "0"], "--num-minibatches"), (["--num-prompts", "0"], "--num-prompts"),
+    (["--num-prompts", "-8"], "--num-prompts"), (["--group-size", "-2"], "--group-size"),
+    (["--group-size", "0"], "--group-size"), (["--num-steps", "0"], "--num-steps"), (["--eval-k", "0"], "--eval-k"),
+    (["--seed", "-1"], "--seed"), (["--micro-batch-tokens", "0"], "--micro-batch-tokens"),
+    (["--sampler-batch-size", "0"], "--sampler-batch-size"), (["--vllm-tp", "0"], "--vllm-tp"),
+    (["--logprob-chunk", "0"], "--logprob-chunk"), (["--kl-baseline-steps", "0"], "--kl-baseline-steps"),
+    (["--max-skipped-steps", "-1"], "--max-skipped-steps"), (["--eval-every", "-1"], "--eval-every"),
+    (["--eval-max-problems", "-1"], "--eval-max-problems"), (["--save-every", "-1"], "--save-every"),
+    (["--keep-last", "-1"], "--keep-last"),
+    (["--temperature", "nan"], "--temperature"), (["--temperature", "inf"], "--temperature"),
+    (["--temperature", "0"], "--temperature"), (["--lr", "-1"], "--lr"), (["--lr", "nan"], "--lr"),
+    (["--lr", "0"], "--lr"), (["--adam-betas", "0.9", "1.0"], "--adam-betas"),
+    (["--adam-betas", "-0.1", "0.95"], "--adam-betas"), (["--weight-decay", "-0.1"], "--weight-decay"),
+    (["--weight-decay", "nan"], "--weight-decay"), (["--max-grad-norm", "0"], "--max-grad-norm"),
+    (["--max-grad-norm", "nan"], "--max-grad-norm"), (["--is-threshold", "0"], "--is-threshold"),
+    (["--is-threshold", "nan"], "--is-threshold"), (["--truncated-reward", "nan"], "--truncated-reward"),
+    (["--kl-warn-factor", "-1"], "--kl-warn-factor"), (["--kl-warn-factor", "nan"], "--kl-warn-factor"),
+    (["--eval-temperature", "-0.5"], "--eval-temperature"), (["--eval-temperature", "nan"], "--eval-temperature"),
+    (["--eval-top-p", "0"], "--eval-top-p"), (["--eval-top-p", "1.5"], "--eval-top-p"),
+    (["--vllm-gpu-memory-utilization", "0"], "--vllm-gpu-memory-utilization"),
+    (["--vllm-gpu-memory-utilization", "1.5"], "--vllm-gpu-memory-utilization"),
+    (["--vllm-kv-cache-gib", "-1"], "--vllm-kv-cache-gib"), (["--vllm-kv-cache-gib", "inf"], "--vllm-kv-cache-gib"),
+    (["--overwrite", "--resume", "latest"], "--overwrite"),
+]
+CLIP = [(["--eps-low", "1.0"], "--eps-low"), (["--eps-low", "-0.1"], "--eps-low"), (["--eps-high", "-0.1"], "--eps-high"),
+        (["--eps-high", "nan"], "--eps-high")]  # the scripts with a PPO clip
+PPO = [(["--critic-lr", "0"], "--critic-lr"), (["--gamma", "1.5"], "--gamma"), (["--gamma", "nan"], "--gamma"),
+       (["--lam", "-0.1"], "--lam"), (["--value-clip", "0"], "--value-clip")]
+CASES = ([(s, *case) for s in SCRIPTS for case in BAD_VALUES]
+         + [(s, *case) for s in ("grpo.py", "gspo.py", "ppo.py") for case in CLIP]
+         + [("ppo.py", *case) for case in PPO]
+         + [(s, ["--group-size", "1"], "--group-size") for s in GROUP_BASELINE])
+
+
+@pytest.mark.parametrize("name,flags,flag", CASES, ids=[f"{c[0]}:{' '.join(c[1])}" for c in CASES])
+def test_validate_refuses_values_out_of_range(name, flags, flag):
+    m = script(name)
+    with pytest.raises(ValueError) as e:
+        m.validate(m.parse_args(flags), 1)
+    message = str(e.value)
+    assert flag in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_defaults_pass_validate(name, tiny_model_dir):
+    m = script(name)
+    m.validate(m.parse_args([]), 1)  # the built-in task's defaults
+    m.validate(m.parse_args(["--model", tiny_model_dir]), 1)  # the study's defaults
+    m.validate(m.parse_args(["--eval-temperature", "0", "--max-skipped-steps", "0", "--kl-warn-factor", "0",
+                             "--eval-every", "0", "--save-every", "0", "--keep-last", "0", "--seed", "0"]), 1)
+
+
+def test_ppo_takes_a_group_of_one():
+    """ppo.py's baseline is the critic's value, not the group's mean: one response per prompt is plain PPO."""
+    m = script("ppo.py")
+    m.validate(m.parse_args(["--group-size", "1"]), 1)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_out_of_range_value_exits_2_before_a_model_loads(name, tmp_path):
+    p = run(name, "--run-dir", str(tmp_path / "run"), "--max-response-len", "0")
+    assert_one_line_error(p, 2, "--max-response-len 0")
+    assert "Loading weights" not in p.stderr and "[data]" not in p.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# run directories: one run per directory, one at a time
+
+
+def old_run(path):
+    """What a finished run leaves, and a log a user tees into the directory."""
+    os.makedirs(path / "checkpoints" / "step_000005")
+    (path / "checkpoints" / "step_000005" / "trainer_state.json").write_text('{"step": 5}')
+    (path / "config.json").write_text("{}")
+    (path / "metrics.jsonl").write_text('{"step": 5}\n')
+    (path / "train.log").write_text("old log\n")
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_new_run_refuses_a_directory_holding_another_run(name, tmp_path):
+    old_run(tmp_path)
+    p = run(name, "--run-dir", str(tmp_path), "--num-steps", "1", *SMALL)
+    assert_one_line_error(p, 2, f"--run-dir {str(tmp_path)!r} holds another run")
+    assert "--resume latest" in p.stderr and "--overwrite" in p.stderr
+    assert "Loading weights" not in p.stderr and "[data]" not in p.stdout
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 5}\n'  # untouched
+
+
+def test_overwrite_removes_the_old_run_and_keeps_other_files(tmp_path):
+    from common.rundir import LOCK_FILE
+    old_run(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("")
+    # --overwrite takes effect before the data loads: a bad dataset then stops the run, with the old run gone
+    p = run("grpo.py", "--run-dir", str(tmp_path), "--overwrite", "--dataset", str(tmp_path / "empty.jsonl"))
+    assert_one_line_error(p, 2, "the dataset is empty")
+    assert sorted(os.listdir(tmp_path)) == [LOCK_FILE, "empty.jsonl", "train.log"]
+
+
+def test_claim_run_dir_rules(tmp_path):
+    from common.rundir import LOCK_FILE, claim_run_dir
+    d = str(tmp_path / "run")
+    lock = claim_run_dir(d, resume=False, overwrite=False)  # made, locked
+    with pytest.raises(ValueError, match="another run is using it"):
+        claim_run_dir(d, resume=True, overwrite=False)  # a second claim: refused while the first holds the lock
+    lock.close()
+    (tmp_path / "run" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="holds another run"):
+        claim_run_dir(d, resume=False, overwrite=False)
+    claim_run_dir(d, resume=True, overwrite=False).close()  # resuming continues the run that is there
+    claim_run_dir(d, resume=False, overwrite=True).close()
+    assert os.listdir(d) == [LOCK_FILE]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_second_run_in_a_locked_directory_fails_at_once(name, tmp_path):
+    from common.rundir import LOCK_FILE
+    with open(tmp_path / LOCK_FILE, "a") as held:  # a run in progress holds this lock
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        p = run(name, "--run-dir", str(tmp_path), "--num-steps", "1", *SMALL)
+    assert_one_line_error(p, 2, f"--run-dir {str(tmp_path)!r}: another run is using it")
+    assert "Loading weights" not in p.stderr and "[data]" not in p.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# broken model directories
+
+
+def test_truncated_weights_are_refused(tiny_model_dir, tmp_path):
+    d = shutil.copytree(tiny_model_dir, tmp_path / "m")
+    size = os.path.getsize(d / "model.safetensors")
+    with open(d / "model.safetensors", "r+b") as f:
+        f.truncate(size - 1000)  # an interrupted copy
+    with pytest.raises(ValueError, match=f"model.safetensors is truncated: {size - 1000} bytes, its header "
+                                         f"describes {size}"):
+        check_model_dir(str(d))
+    with open(d / "model.safetensors", "r+b") as f:
+        f.truncate(4)  # not even the header's length
+    with pytest.raises(ValueError, match="model.safetensors is not a complete safetensors file"):
+        check_model_dir(str(d))
+
+
+def test_sharded_weights_with_a_missing_or_truncated_shard_are_refused(tiny_model_dir, tmp_path):
+    d = shutil.copytree(tiny_model_dir, tmp_path / "m")
+    os.rename(d / "model.safetensors", d / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors, listed in "
+                                                "model.safetensors.index.json, is missing"):
+        check_model_dir(str(d))
+    shutil.copy(d / "model-00001-of-00002.safetensors", d / "model-00002-of-00002.safetensors")
+    check_model_dir(str(d))
+    with open(d / "model-00002-of-00002.safetensors", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors is"):
+        check_model_dir(str(d))
+
+
+def test_weights_without_a_tokenizer_are_refused(tiny_model_dir, tmp_path):
+    d = shutil.copytree(tiny_model_dir, tmp_path / "m")
+    for name in os.listdir(d):
+        if "token" in name:
+            os.remove(d / name)
+    with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+        check_model_dir(str(d))
+
+
+@pytest.mark.parametrize("broken", ["truncated", "no tokenizer"])
+def test_broken_model_directory_exits_2_before_a_model_loads(tiny_model_dir, tmp_path, broken):
+    d = shutil.copytree(tiny_model_dir, tmp_path / "m")
+    if broken == "truncated":
+        with open(d / "model.safetensors", "r+b") as f:
+            f.truncate(os.path.getsize(d / "model.safetensors") // 2)
+    else:
+        os.remove(d / "tokenizer.json")
+    p = run("grpo.py", "--model", str(d), "--run-dir", str(tmp_path / "run"), "--reward", "exact", "--prompt-template",
+            "{problem}")
+    assert_one_line_error(p, 2, f"--model {str(d)!r}: ")
+    assert "Loading weights" not in p.stderr and "[data]" not in p.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rewards that fail, and slow ones
+
+
+class Sampler:  # one response "2" per sample
+    def generate(self, prompts, n, max_new_tokens, temperature, top_p=1.0):
+        from common.sampler import Rollout
+        out = Rollout()
+        for p in prompts:
+            for _ in range(n):
+                out.prompt_ids.append(p)
+                out.response_ids.append([4])
+                out.logprobs.append(None)
+                out.finished.append(True)
+        return out
+
+
+class Tokenizer:
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return ["2" for _ in ids]
+
+
+def failing_check(response, answer):
+    raise RuntimeError("reward service down")
+
+
+def test_evaluation_counts_reward_failures(process_group, monkeypatch):
+    _, _, device = process_group
+    problems = {"aime": [{"prompt_ids": [5, 6], "answer": "2"}, {"prompt_ids": [7], "answer": "3"}]}
+    metrics = evaluate(Sampler(), Tokenizer(), problems, 3, 1.0, 1.0, 8, "exact", 0, 1, device)
+    assert metrics == {"eval/aime/accuracy": 0.5, "eval/aime/reward_failures": 0.0}
+    monkeypatch.setitem(rewards._CHECKS, "exact", failing_check)
+    metrics = evaluate(Sampler(), Tokenizer(), problems, 3, 1.0, 1.0, 8, "exact", 0, 1, device)
+    assert metrics == {"eval/aime/accuracy": 0.0, "eval/aime/reward_failures": 6.0}
+
+
+def test_scoring_shows_progress_when_asked(monkeypatch, capsys):
+    monkeypatch.setattr(rewards, "PROGRESS_EVERY_S", 0.0)  # a line at every check, as if each took long
+    responses = ["1", "2", "3"]
+    assert score_rollout(responses, ["1", "1", "3"], [True] * 3, "exact", progress=True) == ([1.0, 0.0, 1.0], 0)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[reward]")]
+    assert lines[-1].startswith("[reward] 3 of 3 responses checked") and len(lines) == 3, lines
+    score_rollout(responses, ["1", "1", "3"], [True] * 3, "exact")  # other ranks: quiet
+    assert "[reward]" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_reward_failing_on_every_response_stops_the_run(name, tmp_path):
+    p = subprocess.run([sys.executable, "tests/fault_injection.py", name, "reward-all", "1", "--run-dir",
+                        str(tmp_path), "--num-steps", "3", *SMALL], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=600)
+    assert_one_line_error(p, 3, "step 1: every reward check of the step failed")
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert not [r for r in rows if "train/accuracy" in r]  # stopped before training on the zeros
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ctrl-C
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_ctrl_c_says_where_it_stopped_and_how_to_resume(name, tmp_path):
+    proc = subprocess.Popen([sys.executable, name, "--run-dir", str(tmp_path), "--num-steps", "10000", *SMALL],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        logged = []
+        for line in proc.stdout:  # no timing: the signal comes once step 1 is logged, whatever that takes
+            if m := re.match(r"step (\d+) \|", line):
+                logged.append(int(m.group(1)))
+                break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait()
+    logged += [int(m.group(1)) for m in re.finditer(r"^step (\d+) \|", out, re.M)]
+    assert proc.returncode == 130, err[-3000:]
+    m = re.search(rf"^{name}: interrupted at step (\d+); resume with --resume latest$", err, re.M)
+    assert m, err[-3000:]
+    # the step in progress: the last one logged, or the next one if it had begun
+    assert int(m.group(1)) in (logged[-1], logged[-1] + 1), (m.group(0), logged)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
