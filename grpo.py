@@ -1,10 +1,12 @@
-"""Dr.GRPO, with optional rollout corrections for the training-inference mismatch (Token-TIS, Seq-MIS).
+"""Dr.GRPO, with optional rollout corrections for the training-inference mismatch (Token-TIS, Seq-MIS, ...).
 
 What it is: GRPO as in Dr.GRPO ("Understanding R1-Zero-Like Training", Liu et al. 2025): group-mean baseline without
 std, PPO clip with clip-higher (eps_low 0.2, eps_high 0.28, DAPO), token sums divided by a constant (the maximum
-response length), no KL term, no entropy bonus. The sampler's log-probs (mu) enter only through --is-correction
-(token-tis: per-token truncated importance weights; seq-mis: sequence-level masked importance sampling), as in the
-FP16 study ("Defeating the Training-Inference Mismatch via FP16", arXiv 2510.26788) and ALGORITHMS.md.
+response length), no KL term, no entropy bonus. The sampler's log-probs (mu) enter only through the rollout
+corrections: a weight on each token's loss (--is-correction; token-tis: per-token truncated importance weights,
+seq-mis: sequence-level masked importance sampling, as in the FP16 study, "Defeating the Training-Inference Mismatch
+via FP16", arXiv 2510.26788, and ALGORITHMS.md) and rejection rules (--is-reject, --is-veto); corrections.py holds
+them all, docs/corrections.md compares them. --old-logp mu skips the recompute: pi_old is then mu.
 
     python grpo.py                                   # the built-in task: a tiny model learns addition, no downloads
     python grpo.py --precision bf16                  # the same in BF16, to see the mismatch grow
@@ -12,8 +14,8 @@ FP16 study ("Defeating the Training-Inference Mismatch via FP16", arXiv 2510.267
         --dataset math_train.parquet --eval-dataset aime24.jsonl --precision fp16
 
 One step: sample a rollout batch (prompts x G responses) -> rewards -> advantages -> recompute old_logp with the
-trainer -> num_minibatches optimizer steps, each accumulating micro-batches sized by a token budget -> push the
-new weights to the sampler -> log.
+trainer (not with --old-logp mu) -> num_minibatches optimizer steps, each accumulating micro-batches sized by a token
+budget -> push the new weights to the sampler -> log.
 """
 import dataclasses
 import math
@@ -38,12 +40,14 @@ from common.evaluate import eval_name, evaluate
 from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
 from common.logprobs import collate, pad_float, split_microbatches, to_device
-from common.metrics import MismatchMonitor, mismatch_metrics, mismatch_stats
+from common.metrics import MismatchMonitor, first_minibatch_mismatch, mismatch_metrics, mismatch_stats
 from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
                               resolve_precisions)
 from common.rewards import check_reward, score_rollout
 from common.rundir import claim_run_dir
 from common.sampler import make_sampler, resolve_sampler
+from corrections import (check_correction_flags, correction_metrics, importance_weights, reject_rules, rejection_mask,
+                         weight_stats)
 
 
 @dataclass
@@ -134,11 +138,33 @@ class Args:
     """PPO clip: lower bound 1 - eps_low on the ratio"""
     eps_high: float = 0.28
     """PPO clip-higher (DAPO): upper bound 1 + eps_high on the ratio"""
-    is_correction: Literal["none", "token-tis", "seq-mis"] = "none"
-    """rollout correction: 'token-tis' weights each token by min(pi_old/mu, C); 'seq-mis' weights each sequence by
-    rho = prod_t pi_old/mu, masked to 0 where rho > C (ALGORITHMS.md)"""
+    is_correction: Literal["none", "token-tis", "seq-tis", "seq-mis", "icepop"] = "none"
+    """rollout-correction weight on each token's loss, rho_t = pi_old/mu (corrections.py): 'token-tis' min(rho_t, C);
+    'seq-tis' min(rho, C) and 'seq-mis' rho 1{rho <= C}, rho = prod_t rho_t over the sequence; 'icepop' rho_t
+    where it lies in --icepop-bounds, else 0 (arXiv 2510.18855)"""
     is_threshold: float = 3.0
-    """C of the corrections (the study's text: 3; its code used 2 for Token-TIS and 10 for Seq-MIS)"""
+    """C of the corrections (the study's text: 3; its code used 2 for Token-TIS and 10 for Seq-MIS; verl: 2)"""
+    icepop_bounds: tuple[float, float] = (0.5, 5.0)
+    """[alpha, beta] of --is-correction icepop (arXiv 2510.18855: 0.5, 5)"""
+    is_reject: tuple[Literal["token-mis", "geo-mis", "k3-mis", "opsm"], ...] = ()
+    """rejection rules, any number, each zeroing the loss of what it rejects, on top of the weight: 'token-mis' a
+    token whose rho_t leaves --token-mis-bounds; 'geo-mis' a sequence whose exp(mean_t log rho_t) leaves
+    --geo-mis-bounds; 'k3-mis' a sequence whose mean_t (rho_t - log rho_t - 1) exceeds --k3-mis-threshold; 'opsm' a
+    sequence with A < 0 whose mean_t log(mu / pi_theta) exceeds --opsm-delta (DeepSeek-V3.2 eq. 9)"""
+    is_veto: float = 0.0
+    """reject a sequence when any of its rho_t is below this (verl's veto; its presets: 1e-4); 0: off"""
+    token_mis_bounds: tuple[float, float] = (0.5, 2.0)
+    """[lo, hi] of --is-reject token-mis (verl: [1/C, C], C = 2)"""
+    geo_mis_bounds: tuple[float, float] = (0.999, 1.001)
+    """[lo, hi] of --is-reject geo-mis (verl's geo-RS presets)"""
+    k3_mis_threshold: float = 0.01
+    """threshold of --is-reject k3-mis (verl's k3-RS presets)"""
+    opsm_delta: float = 0.5
+    """delta of --is-reject opsm (the example of TRL's off_policy_mask_threshold; DeepSeek-V3.2 gives no value)"""
+    old_logp: Literal["recompute", "mu"] = "recompute"
+    """pi_old of the PPO ratio: 'recompute' (a forward of the trainer over the batch before training) or 'mu' (the
+    sampler's log-probs, verl's bypass mode: no recompute, the ratio is pi_theta/mu, --is-correction is refused,
+    the rejection rules read pi_theta/mu, and mismatch/*, train/entropy come from the first mini-batch's forward)"""
     # --- memory
     gradient_checkpointing: bool = True
     """recompute decoder layers' activations in the backward pass"""
@@ -199,23 +225,6 @@ def drgrpo_advantages(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
     """Dr.GRPO: A_i = r_i - mean of its group (no division by the std). rewards_B holds whole groups in order."""
     r_GN = rewards_B.view(-1, group_size)
     return (r_GN - r_GN.mean(-1, keepdim=True)).view(-1)
-
-
-def importance_weights(old_logp_BT, mu_logp_BT, mask_BT, is_correction: str, threshold: float) -> torch.Tensor:
-    """Constant per-token weights of the rollout correction (no gradient flows through them).
-    token-tis: w_it = min(exp(old_logp - mu_logp), C). seq-mis: w_i = rho_i * 1{rho_i <= C},
-    rho_i = exp(sum_t m_it (old_logp - mu_logp)). none: 1."""
-    if is_correction == "none":
-        return torch.ones_like(old_logp_BT)
-    d_BT = (old_logp_BT - mu_logp_BT) * mask_BT
-    if is_correction == "token-tis":
-        return torch.exp(d_BT).clamp(max=threshold)
-    if is_correction == "seq-mis":
-        log_rho_B = d_BT.sum(-1, keepdim=True)
-        # where(), not rho * mask: an overflowing rho (inf) would give inf * 0 = nan
-        w_B1 = torch.where(log_rho_B <= np.log(threshold), torch.exp(log_rho_B), torch.zeros_like(log_rho_B))
-        return w_B1.expand_as(old_logp_BT)
-    raise ValueError(f"unknown is_correction {is_correction!r}")
 
 
 def policy_loss(logp_BT, old_logp_BT, adv_B, weight_BT, mask_BT, eps_low: float, eps_high: float,
@@ -301,6 +310,10 @@ def validate(args: Args, world_size: int) -> None:
         raise FileNotFoundError(f"--resume {args.resume!r}: no such directory")
     if args.overwrite and args.resume is not None:
         raise ValueError("--overwrite removes the run that --resume would continue: give one or the other")
+    check_correction_flags(args.is_correction, args.is_threshold, args.old_logp,
+                           {"--icepop-bounds": args.icepop_bounds, "--token-mis-bounds": args.token_mis_bounds,
+                            "--geo-mis-bounds": args.geo_mis_bounds, "--k3-mis-threshold": args.k3_mis_threshold,
+                            "--opsm-delta": args.opsm_delta, "--is-veto": args.is_veto or 1.0})
 
 
 current_step = 0  # the step in progress, which __main__'s message on Ctrl-C names
@@ -310,6 +323,9 @@ def main(args: Args) -> None:
     global current_step
     rank, world_size, device = setup_distributed(cpu_offload=args.cpu_offload)  # gloo only for offload
     validate(args, world_size)
+    rules = reject_rules(args.is_reject, args.is_veto, args.token_mis_bounds, args.geo_mis_bounds,
+                         args.k3_mis_threshold, args.opsm_delta)
+    seq_ratio = args.is_correction in ("seq-tis", "seq-mis")  # is/ratio_* over the sequence ratios rho
     train_prec, rollout_prec = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
     seed_everything(args.seed)
     run_dir = args.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}")
@@ -431,12 +447,13 @@ def main(args: Args) -> None:
         resp_lens = [len(r) for r in rollout.response_ids]
         seq_lens = [len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)]
 
-        # --- 3. recompute old_logp with the trainer (the weights that sampled the batch), and the entropy
+        # --- 3. recompute old_logp with the trainer (the weights that sampled the batch), and the entropy (not with
+        # --old-logp mu: pi_old is then mu)
         t0 = time.perf_counter()
         old_logp = [None] * len(seq_lens)
         entropy_sum = 0.0
         with torch.no_grad():
-            for mb in micro_batches(seq_lens):
+            for mb in micro_batches(seq_lens) if args.old_logp == "recompute" else []:
                 ids, attn, rmask = collate([rollout.prompt_ids[i] for i in mb], [rollout.response_ids[i] for i in mb],
                                            pad_id, device)
                 logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=True)
@@ -450,17 +467,22 @@ def main(args: Args) -> None:
         # --- 4. mismatch metrics: the sampler's mu_logp against the trainer's old_logp, every response token
         T = max(1, max(resp_lens))
         rmask_all = torch.arange(T)[None] < torch.tensor(resp_lens)[:, None]
-        old_all, mu_all = pad_float(old_logp, T, "cpu"), pad_float(rollout.logprobs, T, "cpu")
+        mu_all = pad_float(rollout.logprobs, T, "cpu")
+        old_all = pad_float(old_logp, T, "cpu") if args.old_logp == "recompute" else mu_all
         check_finite_logprobs(step, rmask_all, device, train_prec, rollout_prec, old_logp=old_all, mu_logp=mu_all)
-        sums, maxes, mins = mismatch_stats(old_all, mu_all, rmask_all, args.is_threshold,
-                                           seq_ratio=args.is_correction == "seq-mis")
+        sums, maxes, mins = mismatch_stats(old_all, mu_all, rmask_all, args.is_threshold, seq_ratio)
         sums.update(reward=rewards_B.sum().item(), reward_failures=float(reward_failures), entropy=entropy_sum,
                     resp_len=float(sum(resp_lens)),
                     truncated=float(sum(not f for f in rollout.finished)), seq_tokens=float(sum(seq_lens)),
                     all_correct=float((rewards_B.view(-1, args.group_size).min(-1).values == 1).sum()),
                     all_wrong=float((rewards_B.view(-1, args.group_size).max(-1).values == 0).sum()))
         maxes["resp_len"] = float(max(resp_lens))
-        weight_all = importance_weights(old_all, mu_all, rmask_all, args.is_correction, args.is_threshold)
+        weight_all = importance_weights(old_all, mu_all, rmask_all, args.is_correction, args.is_threshold,
+                                        args.icepop_bounds)
+        w_sums, w_maxes = weight_stats(old_all, mu_all, rmask_all, args.is_correction, args.is_threshold,
+                                       args.icepop_bounds)
+        sums.update(w_sums)
+        maxes.update(w_maxes)
 
         # --- 5. num_minibatches optimizer steps over the rollout batch (whole groups per mini-batch)
         t0 = time.perf_counter()
@@ -468,6 +490,7 @@ def main(args: Args) -> None:
         seqs_per_mb = len(seq_lens) // args.num_minibatches
         num_seqs_global = seqs_per_mb * world_size  # N_seq of the constant normalizer: all ranks, all micro-batches
         loss_sum, pol = 0.0, {"clip": 0.0, "approx_kl": 0.0, "tokens": 0.0}
+        rej, first_logp, first_entropy = {}, {}, 0.0  # the rejection rules' counts; --old-logp mu's pi_old rows
         grad_norms, skipped = [], 0
         for k in range(args.num_minibatches):
             mb_idx = list(range(k * seqs_per_mb, (k + 1) * seqs_per_mb))
@@ -476,21 +499,33 @@ def main(args: Args) -> None:
                 ids, attn, rmask = collate([rollout.prompt_ids[i] for i in idx],
                                            [rollout.response_ids[i] for i in idx], pad_id, device)
                 Tm = rmask.shape[1]
-                logp_BT, _ = model(ids, attn, rmask, args.temperature, args.logprob_chunk)
-                loss, stats = policy_loss(logp_BT, to_device(old_all[idx, :Tm], device), to_device(adv_B[idx], device),
-                                          to_device(weight_all[idx, :Tm], device), rmask, args.eps_low,
-                                          args.eps_high, args.max_response_len, num_seqs_global)
+                first = k == 0 and args.old_logp == "mu"  # before any update: these are pi_old's log-probs
+                logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=first)
+                if first:
+                    first_entropy += ent_BT.detach()[rmask].sum()
+                    first_logp.update((i, row[:resp_lens[i]]) for i, row in zip(idx, logp_BT.detach().cpu()))
+                old_BT, mu_BT = to_device(old_all[idx, :Tm], device), to_device(mu_all[idx, :Tm], device)
+                adv_mb = to_device(adv_B[idx], device)
+                # the rejection rules on pi_old/mu, or with --old-logp mu on pi_theta/mu (verl's bypass mode)
+                keep_BT, rej_mb = rejection_mask(logp_BT.detach() if args.old_logp == "mu" else old_BT,
+                                                 logp_BT.detach(), mu_BT, adv_mb, rmask, rules)
+                weight_BT = torch.where(keep_BT, to_device(weight_all[idx, :Tm], device), 0.0)
+                loss, stats = policy_loss(logp_BT, old_BT, adv_mb, weight_BT, rmask, args.eps_low, args.eps_high,
+                                          args.max_response_len, num_seqs_global)
                 # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
                 scaler.scale_loss(loss * world_size).backward()
                 loss_sum += loss.detach()
                 for key in pol:
                     pol[key] += stats[key]
+                for key, v in rej_mb.items():
+                    rej[key] = rej.get(key, 0.0) + v
             norm, was_skipped = scaler.step(params, optimizer, args.max_grad_norm)
             grad_norms.append(norm)
             skipped += was_skipped
             if scaler.fault:
                 break  # no more updates from this batch; the run stops after logging it
         loss_sum, pol = float(loss_sum), {key: float(v) for key, v in pol.items()}  # read once, not per micro-batch
+        rej = {key: float(v) for key, v in rej.items()}
         t_train = time.perf_counter() - t0
         mem.update(phase_memory(device, "train"))
 
@@ -501,7 +536,7 @@ def main(args: Args) -> None:
         mem.update(phase_memory(device, "sync"))
 
         # --- 7. log
-        sums.update(loss=loss_sum, clip=pol["clip"], approx_kl=pol["approx_kl"], policy_tokens=pol["tokens"])
+        sums.update(loss=loss_sum, clip=pol["clip"], approx_kl=pol["approx_kl"], policy_tokens=pol["tokens"], **rej)
         g, g_max, g_min = (reduce_stats(d, op, device) for d, op in ((sums, "sum"), (maxes, "max"), (mins, "min")))
         n_seqs, n_groups, n_tok = g["n_seqs"], g["n_seqs"] / args.group_size, max(g["n_tokens"], 1.0)
         metrics = {
@@ -510,7 +545,7 @@ def main(args: Args) -> None:
             "train/response_len_mean": g["resp_len"] / n_seqs, "train/response_len_max": g_max["resp_len"],
             "train/truncated_frac": g["truncated"] / n_seqs, "train/entropy": g["entropy"] / n_tok,
             "train/loss": g["loss"] / args.num_minibatches,  # each rank's share sums to the mini-batch's loss
-            **mismatch_metrics(g, g_max, g_min, seq_ratio=args.is_correction == "seq-mis"),
+            **mismatch_metrics(g, g_max, g_min, seq_ratio), **correction_metrics(g, g_max, rules),
             "policy/clip_frac": g["clip"] / max(g["policy_tokens"], 1.0),
             "policy/approx_kl": g["approx_kl"] / max(g["policy_tokens"], 1.0),
             "optim/grad_norm": float(np.mean([n for n in grad_norms if np.isfinite(n)] or [float("nan")])),
@@ -519,6 +554,9 @@ def main(args: Args) -> None:
             "perf/sample_tok_s": g["resp_len"] / t_sample,
             "perf/train_tok_s": g["seq_tokens"] / t_train,  # prompt + response tokens, forward and backward
         }
+        if args.old_logp == "mu":  # no recompute: the mismatch against the first mini-batch's forward instead
+            metrics.update(first_minibatch_mismatch(first_logp, mu_all, rmask_all, float(first_entropy),
+                                                    args.is_threshold, seq_ratio, device))
         kl_metrics, warning = monitor.update(metrics["mismatch/kl_k3"])
         metrics.update(kl_metrics)
         metrics["time/step"] = time.perf_counter() - t_step

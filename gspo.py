@@ -42,7 +42,7 @@ from common.evaluate import eval_name, evaluate
 from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
 from common.logprobs import collate, pad_float, split_microbatches, to_device
-from common.metrics import MismatchMonitor, mismatch_metrics, mismatch_stats
+from common.metrics import MismatchMonitor, first_minibatch_mismatch, mismatch_metrics, mismatch_stats
 from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
                               resolve_precisions)
 from common.rewards import check_reward, score_rollout
@@ -141,6 +141,10 @@ class Args:
     # GSPO: no --is-correction (mu enters only the mismatch metrics)
     is_threshold: float = 3.0
     """C of the is/token_clip_frac and is/seq_mask_frac diagnostics (GSPO corrects nothing with it)"""  # GSPO
+    old_logp: Literal["recompute", "mu"] = "recompute"
+    """pi_old of the sequence ratio s_i: 'recompute' (a forward of the trainer over the batch before training) or
+    'mu' (the sampler's log-probs, verl's bypass mode: no recompute, s_i = exp(mean_t log pi_theta/mu), and
+    mismatch/*, train/entropy come from the first mini-batch's forward)"""  # GSPO: as grpo.py's --old-logp
     # --- memory
     gradient_checkpointing: bool = True
     """recompute decoder layers' activations in the backward pass"""
@@ -420,7 +424,7 @@ def main(args: Args) -> None:
         old_logp = [None] * len(seq_lens)
         entropy_sum = 0.0
         with torch.no_grad():
-            for mb in micro_batches(seq_lens):
+            for mb in micro_batches(seq_lens) if args.old_logp == "recompute" else []:
                 ids, attn, rmask = collate([rollout.prompt_ids[i] for i in mb], [rollout.response_ids[i] for i in mb],
                                            pad_id, device)
                 logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=True)
@@ -434,7 +438,8 @@ def main(args: Args) -> None:
         # --- 4. mismatch metrics: the sampler's mu_logp against the trainer's old_logp, every response token
         T = max(1, max(resp_lens))
         rmask_all = torch.arange(T)[None] < torch.tensor(resp_lens)[:, None]
-        old_all, mu_all = pad_float(old_logp, T, "cpu"), pad_float(rollout.logprobs, T, "cpu")
+        mu_all = pad_float(rollout.logprobs, T, "cpu")
+        old_all = pad_float(old_logp, T, "cpu") if args.old_logp == "recompute" else mu_all
         check_finite_logprobs(step, rmask_all, device, train_prec, rollout_prec, old_logp=old_all, mu_logp=mu_all)
         sums, maxes, mins = mismatch_stats(old_all, mu_all, rmask_all, args.is_threshold,
                                            seq_ratio=False)  # GSPO: diagnostics only, no correction
@@ -451,6 +456,7 @@ def main(args: Args) -> None:
         seqs_per_mb = len(seq_lens) // args.num_minibatches
         num_seqs_global = seqs_per_mb * world_size  # N_seq of the constant normalizer: all ranks, all micro-batches
         loss_sum, pol = 0.0, {"clip": 0.0, "approx_kl": 0.0, "tokens": 0.0, "seqs": 0.0}  # GSPO: + seqs
+        first_logp, first_entropy = {}, 0.0  # pi_old's rows when nothing recomputes them
         grad_norms, skipped = [], 0
         for k in range(args.num_minibatches):
             mb_idx = list(range(k * seqs_per_mb, (k + 1) * seqs_per_mb))
@@ -459,7 +465,11 @@ def main(args: Args) -> None:
                 ids, attn, rmask = collate([rollout.prompt_ids[i] for i in idx],
                                            [rollout.response_ids[i] for i in idx], pad_id, device)
                 Tm = rmask.shape[1]
-                logp_BT, _ = model(ids, attn, rmask, args.temperature, args.logprob_chunk)
+                first = k == 0 and args.old_logp != "recompute"  # before any update: these are pi_old's log-probs
+                logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=first)
+                if first:
+                    first_entropy += ent_BT.detach()[rmask].sum()
+                    first_logp.update((i, row[:resp_lens[i]]) for i, row in zip(idx, logp_BT.detach().cpu()))
                 loss, stats = policy_loss(logp_BT, to_device(old_all[idx, :Tm], device), to_device(adv_B[idx], device),
                                           rmask, args.eps_low, args.eps_high, num_seqs_global)  # GSPO
                 # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
@@ -502,6 +512,9 @@ def main(args: Args) -> None:
             "perf/sample_tok_s": g["resp_len"] / t_sample,
             "perf/train_tok_s": g["seq_tokens"] / t_train,  # prompt + response tokens, forward and backward
         }
+        if args.old_logp != "recompute":  # no recompute: the mismatch against the first mini-batch's forward
+            metrics.update(first_minibatch_mismatch(first_logp, mu_all, rmask_all, float(first_entropy),
+                                                    args.is_threshold, False, device))
         kl_metrics, warning = monitor.update(metrics["mismatch/kl_k3"])
         metrics.update(kl_metrics)
         metrics["time/step"] = time.perf_counter() - t_step

@@ -7,7 +7,8 @@ mismatch and, on mini-batches 2..N of a step, the policy's own drift. No PPO cli
 --is-mode tis uses min(rho_i, C) (PG-Seq-TIS), --is-mode mis rho_i * 1{rho_i <= C} (PG-Seq-MIS). Advantages and
 aggregation as grpo.py: Dr.GRPO's group-mean baseline without std, token sums divided by a constant (the maximum
 response length). The trainer still recomputes old_logp every step: the loss does not use it, but the mismatch
-metrics (mu against pi_old) and policy/approx_kl do.
+metrics (mu against pi_old) and policy/approx_kl do; --mismatch-from first-minibatch takes pi_old from the first
+mini-batch's training forward instead (before any update, the same weights), which saves that forward pass.
 
 Metrics that differ from grpo.py: is/ratio_mean, is/ratio_max are over the sequence ratios rho_i that the loss used
 (current policy over mu, computed in each sequence's mini-batch); is/seq_mask_frac is the fraction of those above C
@@ -49,7 +50,7 @@ from common.evaluate import eval_name, evaluate
 from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
 from common.logprobs import collate, pad_float, split_microbatches, to_device
-from common.metrics import MismatchMonitor, mismatch_metrics, mismatch_stats
+from common.metrics import MismatchMonitor, first_minibatch_mismatch, mismatch_metrics, mismatch_stats
 from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
                               resolve_precisions)
 from common.rewards import check_reward, score_rollout
@@ -147,6 +148,11 @@ class Args:
     2510.26788 eq. 5): 'is' rho (PG-Seq-IS), 'tis' min(rho, C) (PG-Seq-TIS), 'mis' rho * 1{rho <= C} (PG-Seq-MIS)"""
     is_threshold: float = 3.0
     """C of --is-mode tis / mis and of the is/ diagnostics (the study's text: 3)"""  # PG-Seq-IS
+    mismatch_from: Literal["recompute", "first-minibatch"] = "recompute"  # PG-Seq-IS
+    """where pi_old of the mismatch metrics comes from (the loss does not use it): 'recompute' (a forward of the
+    trainer over the batch before training) or 'first-minibatch' (the training forward of the step's first
+    mini-batch, before any update: no extra forward; mismatch/* and train/entropy then cover that mini-batch's
+    sequences, and policy/approx_kl is not logged)"""
     # --- memory
     gradient_checkpointing: bool = True
     """recompute decoder layers' activations in the backward pass"""
@@ -449,7 +455,7 @@ def main(args: Args) -> None:
         old_logp = [None] * len(seq_lens)
         entropy_sum = 0.0
         with torch.no_grad():
-            for mb in micro_batches(seq_lens):
+            for mb in micro_batches(seq_lens) if args.mismatch_from == "recompute" else []:
                 ids, attn, rmask = collate([rollout.prompt_ids[i] for i in mb], [rollout.response_ids[i] for i in mb],
                                            pad_id, device)
                 logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=True)
@@ -463,7 +469,8 @@ def main(args: Args) -> None:
         # --- 4. mismatch metrics: the sampler's mu_logp against the trainer's old_logp, every response token
         T = max(1, max(resp_lens))
         rmask_all = torch.arange(T)[None] < torch.tensor(resp_lens)[:, None]
-        old_all, mu_all = pad_float(old_logp, T, "cpu"), pad_float(rollout.logprobs, T, "cpu")
+        mu_all = pad_float(rollout.logprobs, T, "cpu")
+        old_all = pad_float(old_logp, T, "cpu") if args.mismatch_from == "recompute" else mu_all
         check_finite_logprobs(step, rmask_all, device, train_prec, rollout_prec, old_logp=old_all, mu_logp=mu_all)
         sums, maxes, mins = mismatch_stats(old_all, mu_all, rmask_all, args.is_threshold,
                                            seq_ratio=True)  # PG-Seq-IS: is/ratio_* are sequence ratios
@@ -483,6 +490,7 @@ def main(args: Args) -> None:
                               "seqs": 0.0, "weight": 0.0, "rho": 0.0, "rho_over": 0.0,
                               "rho_clamped": 0.0}  # PG-Seq-IS: the rho used
         rho_maxes = []  # PG-Seq-IS
+        first_logp, first_entropy = {}, 0.0  # pi_old's rows when nothing recomputes them
         grad_norms, skipped = [], 0
         for k in range(args.num_minibatches):
             mb_idx = list(range(k * seqs_per_mb, (k + 1) * seqs_per_mb))
@@ -491,7 +499,11 @@ def main(args: Args) -> None:
                 ids, attn, rmask = collate([rollout.prompt_ids[i] for i in idx],
                                            [rollout.response_ids[i] for i in idx], pad_id, device)
                 Tm = rmask.shape[1]
-                logp_BT, _ = model(ids, attn, rmask, args.temperature, args.logprob_chunk)
+                first = k == 0 and args.mismatch_from != "recompute"  # before any update: these are pi_old's log-probs
+                logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=first)
+                if first:
+                    first_entropy += ent_BT.detach()[rmask].sum()
+                    first_logp.update((i, row[:resp_lens[i]]) for i, row in zip(idx, logp_BT.detach().cpu()))
                 # PG-Seq-IS: rho from this logp (detached) and the sampler's mu_logp, arXiv 2510.26788 eq. 5
                 loss, stats = policy_loss(logp_BT, to_device(old_all[idx, :Tm], device),
                                           to_device(mu_all[idx, :Tm], device), to_device(adv_B[idx], device), rmask,
@@ -538,13 +550,18 @@ def main(args: Args) -> None:
             "is/weight_mean": g["is_weight"] / max(g["policy_seqs"], 1.0),
             "is/log_rho_clamp_frac": g["rho_clamped"] / max(g["policy_seqs"], 1.0),  # log rho > LOG_RHO_MAX
             # PG-Seq-IS: no policy/clip_frac (no clip)
-            "policy/approx_kl": g["approx_kl"] / max(g["policy_tokens"], 1.0),
+            # PG-Seq-IS: no pi_old of mini-batches 2..N without the recompute, so no approx KL then
+            **({"policy/approx_kl": g["approx_kl"] / max(g["policy_tokens"], 1.0)}
+               if args.mismatch_from == "recompute" else {}),
             "optim/grad_norm": float(np.mean([n for n in grad_norms if np.isfinite(n)] or [float("nan")])),
             "optim/loss_scale": scaler.scale, "optim/skipped_steps": scaler.skipped_steps, "optim/lr": args.lr,
             "time/sample": t_sample, "time/recompute": t_recompute, "time/train": t_train, "time/sync": t_sync, **mem,
             "perf/sample_tok_s": g["resp_len"] / t_sample,
             "perf/train_tok_s": g["seq_tokens"] / t_train,  # prompt + response tokens, forward and backward
         }
+        if args.mismatch_from != "recompute":  # no recompute: the mismatch against the first mini-batch's forward
+            metrics.update(first_minibatch_mismatch(first_logp, mu_all, rmask_all, float(first_entropy),
+                                                    args.is_threshold, True, device))
         kl_metrics, warning = monitor.update(metrics["mismatch/kl_k3"])
         metrics.update(kl_metrics)
         metrics["time/step"] = time.perf_counter() - t_step

@@ -1,11 +1,12 @@
 """PPO with a critic (per-token GAE advantages), with optional rollout corrections for the training-inference
-mismatch (Token-TIS, Seq-MIS).
+mismatch (Token-TIS, Seq-MIS, ... as grpo.py).
 
 What it is: PPO as the FP16 study runs it ("Defeating the Training-Inference Mismatch via FP16", arXiv 2510.26788;
 ALGORITHMS.md): a critic initialized from the policy's weights with a scalar value head, per-token GAE advantages
 (gamma = lambda = 1 by default) whitened over the rollout batch's response tokens, grpo.py's clipped surrogate with
 clip-higher (eps_low 0.2, eps_high 0.28) and constant normalizer on those advantages, a value loss clipped at 0.2,
-no KL term, no entropy bonus. The sampler's log-probs (mu) enter only through --is-correction, as in grpo.py.
+no KL term, no entropy bonus. The sampler's log-probs (mu) enter only through the rollout corrections, as in
+grpo.py (no opsm: it needs one advantage per sequence).
 `diff grpo.py ppo.py` shows what PPO changes; new lines are marked `# PPO:`.
 
     python ppo.py                                    # the built-in task: a tiny model learns addition, no downloads
@@ -56,12 +57,14 @@ from common.evaluate import eval_name, evaluate
 from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
 from common.logprobs import collate, pad_float, split_microbatches, to_device
-from common.metrics import MismatchMonitor, mismatch_metrics, mismatch_stats
+from common.metrics import MismatchMonitor, first_minibatch_mismatch, mismatch_metrics, mismatch_stats
 from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
                               resolve_precisions)
 from common.rewards import check_reward, score_rollout
 from common.rundir import claim_run_dir
 from common.sampler import make_sampler, resolve_sampler
+from corrections import (check_correction_flags, correction_metrics, importance_weights, reject_rules, rejection_mask,
+                         weight_stats)
 
 
 @dataclass
@@ -152,11 +155,31 @@ class Args:
     """PPO clip: lower bound 1 - eps_low on the ratio"""
     eps_high: float = 0.28
     """PPO clip-higher (DAPO): upper bound 1 + eps_high on the ratio"""
-    is_correction: Literal["none", "token-tis", "seq-mis"] = "none"
-    """rollout correction: 'token-tis' weights each token by min(pi_old/mu, C); 'seq-mis' weights each sequence by
-    rho = prod_t pi_old/mu, masked to 0 where rho > C (ALGORITHMS.md)"""
+    is_correction: Literal["none", "token-tis", "seq-tis", "seq-mis", "icepop"] = "none"
+    """rollout-correction weight on each token's loss, rho_t = pi_old/mu (corrections.py): 'token-tis' min(rho_t, C);
+    'seq-tis' min(rho, C) and 'seq-mis' rho 1{rho <= C}, rho = prod_t rho_t over the sequence; 'icepop' rho_t
+    where it lies in --icepop-bounds, else 0 (arXiv 2510.18855)"""
     is_threshold: float = 3.0
-    """C of the corrections (the study's text: 3; its code used 2 for Token-TIS and 10 for Seq-MIS)"""
+    """C of the corrections (the study's text: 3; its code used 2 for Token-TIS and 10 for Seq-MIS; verl: 2)"""
+    icepop_bounds: tuple[float, float] = (0.5, 5.0)
+    """[alpha, beta] of --is-correction icepop (arXiv 2510.18855: 0.5, 5)"""
+    is_reject: tuple[Literal["token-mis", "geo-mis", "k3-mis"], ...] = ()  # PPO: no opsm (one advantage per sequence)
+    """rejection rules, any number, each zeroing the loss of what it rejects, on top of the weight: 'token-mis' a
+    token whose rho_t leaves --token-mis-bounds; 'geo-mis' a sequence whose exp(mean_t log rho_t) leaves
+    --geo-mis-bounds; 'k3-mis' a sequence whose mean_t (rho_t - log rho_t - 1) exceeds --k3-mis-threshold"""
+    is_veto: float = 0.0
+    """reject a sequence when any of its rho_t is below this (verl's veto; its presets: 1e-4); 0: off"""
+    token_mis_bounds: tuple[float, float] = (0.5, 2.0)
+    """[lo, hi] of --is-reject token-mis (verl: [1/C, C], C = 2)"""
+    geo_mis_bounds: tuple[float, float] = (0.999, 1.001)
+    """[lo, hi] of --is-reject geo-mis (verl's geo-RS presets)"""
+    k3_mis_threshold: float = 0.01
+    """threshold of --is-reject k3-mis (verl's k3-RS presets)"""
+    old_logp: Literal["recompute", "mu"] = "recompute"
+    """pi_old of the PPO ratio: 'recompute' (a forward of the trainer over the batch before training) or 'mu' (the
+    sampler's log-probs, verl's bypass mode: no recompute, the ratio is pi_theta/mu, --is-correction is refused,
+    the rejection rules read pi_theta/mu, and mismatch/*, train/entropy come from the first mini-batch's forward;
+    the critic still computes V_old)"""
     critic_lr: float = 1e-5  # PPO
     """critic AdamW learning rate (constant; betas, weight decay and grad-norm clip as the policy's). 10x the policy's,
     as verl's PPO defaults (critic.optim.lr 1e-5, actor 1e-6)"""
@@ -256,23 +279,6 @@ def whiten_advantages(adv_BT: torch.Tensor, mask_BT: torch.Tensor, device=None) 
     mean = s1 / n
     var = (s2 / n - mean ** 2) * n / max(n - 1, 1.0)  # Bessel's correction, as verl
     return ((adv_BT - mean) / np.sqrt(var + 1e-8) * mask_BT).float()
-
-
-def importance_weights(old_logp_BT, mu_logp_BT, mask_BT, is_correction: str, threshold: float) -> torch.Tensor:
-    """Constant per-token weights of the rollout correction (no gradient flows through them).
-    token-tis: w_it = min(exp(old_logp - mu_logp), C). seq-mis: w_i = rho_i * 1{rho_i <= C},
-    rho_i = exp(sum_t m_it (old_logp - mu_logp)). none: 1."""
-    if is_correction == "none":
-        return torch.ones_like(old_logp_BT)
-    d_BT = (old_logp_BT - mu_logp_BT) * mask_BT
-    if is_correction == "token-tis":
-        return torch.exp(d_BT).clamp(max=threshold)
-    if is_correction == "seq-mis":
-        log_rho_B = d_BT.sum(-1, keepdim=True)
-        # where(), not rho * mask: an overflowing rho (inf) would give inf * 0 = nan
-        w_B1 = torch.where(log_rho_B <= np.log(threshold), torch.exp(log_rho_B), torch.zeros_like(log_rho_B))
-        return w_B1.expand_as(old_logp_BT)
-    raise ValueError(f"unknown is_correction {is_correction!r}")
 
 
 def policy_loss(logp_BT, old_logp_BT, adv_BT, weight_BT, mask_BT, eps_low: float, eps_high: float,
@@ -375,6 +381,10 @@ def validate(args: Args, world_size: int) -> None:
         raise FileNotFoundError(f"--resume {args.resume!r}: no such directory")
     if args.overwrite and args.resume is not None:
         raise ValueError("--overwrite removes the run that --resume would continue: give one or the other")
+    check_correction_flags(args.is_correction, args.is_threshold, args.old_logp,
+                           {"--icepop-bounds": args.icepop_bounds, "--token-mis-bounds": args.token_mis_bounds,
+                            "--geo-mis-bounds": args.geo_mis_bounds, "--k3-mis-threshold": args.k3_mis_threshold,
+                            "--is-veto": args.is_veto or 1.0})  # PPO: no --opsm-delta
 
 
 current_step = 0  # the step in progress, which __main__'s message on Ctrl-C names
@@ -384,6 +394,9 @@ def main(args: Args) -> None:
     global current_step
     rank, world_size, device = setup_distributed(cpu_offload=args.cpu_offload)  # gloo only for offload
     validate(args, world_size)
+    rules = reject_rules(args.is_reject, args.is_veto, args.token_mis_bounds, args.geo_mis_bounds,
+                         args.k3_mis_threshold, 0.0)  # PPO: no opsm
+    seq_ratio = args.is_correction in ("seq-tis", "seq-mis")  # is/ratio_* over the sequence ratios rho
     train_prec, rollout_prec = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
     seed_everything(args.seed)
     run_dir = args.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}")
@@ -534,12 +547,14 @@ def main(args: Args) -> None:
             for mb in micro_batches(seq_lens):
                 ids, attn, rmask = collate([rollout.prompt_ids[i] for i in mb], [rollout.response_ids[i] for i in mb],
                                            pad_id, device)
-                logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=True)
-                entropy_sum += ent_BT[rmask].sum().item()
+                if args.old_logp == "recompute":  # not with --old-logp mu: pi_old is then mu
+                    logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=True)
+                    entropy_sum += ent_BT[rmask].sum().item()
+                    logp_BT = logp_BT.cpu()  # one device-to-host copy per micro-batch, not one per row
+                    for row, i in enumerate(mb):
+                        old_logp[i] = logp_BT[row, :resp_lens[i]]
                 values_BT = critic(ids, attn, rmask).cpu()  # PPO
-                logp_BT = logp_BT.cpu()  # one device-to-host copy per micro-batch, not one per row
                 for row, i in enumerate(mb):
-                    old_logp[i] = logp_BT[row, :resp_lens[i]]
                     old_values[i] = values_BT[row, :resp_lens[i]]  # PPO
         t_recompute = time.perf_counter() - t0
         mem.update(phase_memory(device, "recompute"))
@@ -547,17 +562,22 @@ def main(args: Args) -> None:
         # --- 4. mismatch metrics: the sampler's mu_logp against the trainer's old_logp, every response token
         T = max(1, max(resp_lens))
         rmask_all = torch.arange(T)[None] < torch.tensor(resp_lens)[:, None]
-        old_all, mu_all = pad_float(old_logp, T, "cpu"), pad_float(rollout.logprobs, T, "cpu")
+        mu_all = pad_float(rollout.logprobs, T, "cpu")
+        old_all = pad_float(old_logp, T, "cpu") if args.old_logp == "recompute" else mu_all
         check_finite_logprobs(step, rmask_all, device, train_prec, rollout_prec, old_logp=old_all, mu_logp=mu_all)
-        sums, maxes, mins = mismatch_stats(old_all, mu_all, rmask_all, args.is_threshold,
-                                           seq_ratio=args.is_correction == "seq-mis")
+        sums, maxes, mins = mismatch_stats(old_all, mu_all, rmask_all, args.is_threshold, seq_ratio)
         sums.update(reward=rewards_B.sum().item(), reward_failures=float(reward_failures), entropy=entropy_sum,
                     resp_len=float(sum(resp_lens)),
                     truncated=float(sum(not f for f in rollout.finished)), seq_tokens=float(sum(seq_lens)),
                     all_correct=float((rewards_B.view(-1, args.group_size).min(-1).values == 1).sum()),
                     all_wrong=float((rewards_B.view(-1, args.group_size).max(-1).values == 0).sum()))
         maxes["resp_len"] = float(max(resp_lens))
-        weight_all = importance_weights(old_all, mu_all, rmask_all, args.is_correction, args.is_threshold)
+        weight_all = importance_weights(old_all, mu_all, rmask_all, args.is_correction, args.is_threshold,
+                                        args.icepop_bounds)
+        w_sums, w_maxes = weight_stats(old_all, mu_all, rmask_all, args.is_correction, args.is_threshold,
+                                       args.icepop_bounds)
+        sums.update(w_sums)
+        maxes.update(w_maxes)
         # PPO: per-token GAE advantages and returns from V_old, the advantages whitened over all ranks' response tokens
         values_all = pad_float(old_values, T, "cpu")
         adv_raw, returns_all = gae_advantages(rewards_B, values_all, rmask_all, args.gamma, args.lam)
@@ -577,6 +597,7 @@ def main(args: Args) -> None:
         num_tokens_global = reduce_stats({k: sum(resp_lens[k * seqs_per_mb:(k + 1) * seqs_per_mb])
                                           for k in range(args.num_minibatches)}, "sum", device)
         loss_sum, pol = 0.0, {"clip": 0.0, "approx_kl": 0.0, "tokens": 0.0}
+        rej, first_logp, first_entropy = {}, {}, 0.0  # the rejection rules' counts; --old-logp mu's pi_old rows
         grad_norms, skipped = [], 0
         vloss_sum, vclip, critic_grad_norms = 0.0, 0.0, []  # PPO
         for k in range(args.num_minibatches):
@@ -586,15 +607,25 @@ def main(args: Args) -> None:
                 ids, attn, rmask = collate([rollout.prompt_ids[i] for i in idx],
                                            [rollout.response_ids[i] for i in idx], pad_id, device)
                 Tm = rmask.shape[1]
-                logp_BT, _ = model(ids, attn, rmask, args.temperature, args.logprob_chunk)
-                loss, stats = policy_loss(logp_BT, to_device(old_all[idx, :Tm], device),
-                                          to_device(adv_all[idx, :Tm], device), to_device(weight_all[idx, :Tm], device),
+                first = k == 0 and args.old_logp == "mu"  # before any update: these are pi_old's log-probs
+                logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=first)
+                if first:
+                    first_entropy += ent_BT.detach()[rmask].sum()
+                    first_logp.update((i, row[:resp_lens[i]]) for i, row in zip(idx, logp_BT.detach().cpu()))
+                old_BT, mu_BT = to_device(old_all[idx, :Tm], device), to_device(mu_all[idx, :Tm], device)
+                # the rejection rules on pi_old/mu, or with --old-logp mu on pi_theta/mu (verl's bypass mode)
+                keep_BT, rej_mb = rejection_mask(logp_BT.detach() if args.old_logp == "mu" else old_BT,
+                                                 logp_BT.detach(), mu_BT, None, rmask, rules)  # PPO: no opsm
+                weight_BT = torch.where(keep_BT, to_device(weight_all[idx, :Tm], device), 0.0)
+                loss, stats = policy_loss(logp_BT, old_BT, to_device(adv_all[idx, :Tm], device), weight_BT,
                                           rmask, args.eps_low, args.eps_high, args.max_response_len, num_seqs_global)
                 # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
                 scaler.scale_loss(loss * world_size).backward()
                 loss_sum += loss.detach()
                 for key in pol:
                     pol[key] += stats[key]
+                for key, v in rej_mb.items():
+                    rej[key] = rej.get(key, 0.0) + v
                 # PPO: the critic on the same micro-batch; its loss is a mean over N_tok, so times world_size again
                 values_BT = critic(ids, attn, rmask)
                 vloss, vstats = value_loss(values_BT, to_device(values_all[idx, :Tm], device),
@@ -611,6 +642,7 @@ def main(args: Args) -> None:
             if scaler.fault or critic_scaler.fault:
                 break  # no more updates from this batch; the run stops after logging it
         loss_sum, pol = float(loss_sum), {key: float(v) for key, v in pol.items()}  # read once, not per micro-batch
+        rej = {key: float(v) for key, v in rej.items()}
         vloss_sum, vclip = float(vloss_sum), float(vclip)  # PPO
         t_train = time.perf_counter() - t0
         mem.update(phase_memory(device, "train"))
@@ -622,7 +654,7 @@ def main(args: Args) -> None:
         mem.update(phase_memory(device, "sync"))
 
         # --- 7. log
-        sums.update(loss=loss_sum, clip=pol["clip"], approx_kl=pol["approx_kl"], policy_tokens=pol["tokens"])
+        sums.update(loss=loss_sum, clip=pol["clip"], approx_kl=pol["approx_kl"], policy_tokens=pol["tokens"], **rej)
         sums.update(value_loss=vloss_sum, value_clip=vclip)  # PPO
         g, g_max, g_min = (reduce_stats(d, op, device) for d, op in ((sums, "sum"), (maxes, "max"), (mins, "min")))
         n_seqs, n_groups, n_tok = g["n_seqs"], g["n_seqs"] / args.group_size, max(g["n_tokens"], 1.0)
@@ -632,7 +664,7 @@ def main(args: Args) -> None:
             "train/response_len_mean": g["resp_len"] / n_seqs, "train/response_len_max": g_max["resp_len"],
             "train/truncated_frac": g["truncated"] / n_seqs, "train/entropy": g["entropy"] / n_tok,
             "train/loss": g["loss"] / args.num_minibatches,  # each rank's share sums to the mini-batch's loss
-            **mismatch_metrics(g, g_max, g_min, seq_ratio=args.is_correction == "seq-mis"),
+            **mismatch_metrics(g, g_max, g_min, seq_ratio), **correction_metrics(g, g_max, rules),
             "policy/clip_frac": g["clip"] / max(g["policy_tokens"], 1.0),
             "policy/approx_kl": g["approx_kl"] / max(g["policy_tokens"], 1.0),
             "optim/grad_norm": float(np.mean([n for n in grad_norms if np.isfinite(n)] or [float("nan")])),
@@ -650,6 +682,9 @@ def main(args: Args) -> None:
             "critic/loss_scale": critic_scaler.scale, "critic/skipped_steps": critic_scaler.skipped_steps,
             "critic/adv_std_raw": float(np.sqrt(max(g["adv_raw_sq"] / n_tok - (g["adv_raw"] / n_tok) ** 2, 0.0))),
         }
+        if args.old_logp == "mu":  # no recompute: the mismatch against the first mini-batch's forward instead
+            metrics.update(first_minibatch_mismatch(first_logp, mu_all, rmask_all, float(first_entropy),
+                                                    args.is_threshold, seq_ratio, device))
         kl_metrics, warning = monitor.update(metrics["mismatch/kl_k3"])
         metrics.update(kl_metrics)
         metrics["time/step"] = time.perf_counter() - t_step

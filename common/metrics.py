@@ -45,6 +45,22 @@ def mismatch_metrics(sums: dict, maxes: dict, mins: dict, seq_ratio: bool) -> di
     }
 
 
+def first_minibatch_mismatch(first_logp: dict, mu_logp_BT: torch.Tensor, mask_BT: torch.Tensor, entropy: float,
+                             threshold: float, seq_ratio: bool, device) -> dict:
+    """Collective. The mismatch/* keys, is/ diagnostics and train/entropy when nothing recomputes pi_old: over the
+    sequences of the step's first mini-batch, from the log-probs (and entropy sum) of their training forward, which
+    runs before any optimizer step and so with the weights that sampled the batch. first_logp: {row: 1-D fp32}."""
+    from common.dist import reduce_stats
+    rows = sorted(first_logp)
+    old_BT = torch.zeros((len(rows), mu_logp_BT.shape[1]), dtype=torch.float32)
+    for r, i in enumerate(rows):
+        old_BT[r, :len(first_logp[i])] = first_logp[i]
+    sums, maxes, mins = mismatch_stats(old_BT, mu_logp_BT[rows], mask_BT[rows], threshold, seq_ratio)
+    sums["entropy"] = entropy
+    g, g_max, g_min = (reduce_stats(d, op, device) for d, op in ((sums, "sum"), (maxes, "max"), (mins, "min")))
+    return {**mismatch_metrics(g, g_max, g_min, seq_ratio), "train/entropy": g["entropy"] / max(g["n_tokens"], 1.0)}
+
+
 class MismatchMonitor:
     """Early warning of collapse. In the FP16 study the training-inference mismatch grows before training collapses
     (BF16's KL(mu||pi) climbs from about 1e-3 towards 1). The baseline is the mean kl_k3 of the first `window`
