@@ -20,6 +20,7 @@ trainer (not with --old-logp mu) -> num_minibatches optimizer steps, each accumu
 budget -> push the new weights to the sampler -> log.
 """
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -45,6 +46,7 @@ from common.metrics import MismatchMonitor, first_minibatch_mismatch, mismatch_m
 from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
                               resolve_precisions)
 from common.rewards import check_reward, score_rollout
+from common.rundir import claim_run_dir
 from common.sampler import make_sampler, resolve_sampler
 from corrections import (check_correction_flags, correction_metrics, importance_weights, reject_rules, rejection_mask,
                          weight_stats)
@@ -205,6 +207,9 @@ class Args:
     """keep the newest N checkpoints (0: all)"""
     resume: str | None = None
     """resume from a checkpoint directory, or 'latest' for the newest one in <run_dir>/checkpoints"""
+    overwrite: bool = False
+    """start a new run in a --run-dir that holds another one: remove that run's files first (config.json,
+    metrics.jsonl, checkpoints/); without it (or --resume) such a directory is refused (docs/faults.md)"""
 
 
 # The built-in task's defaults (a 0.4M-parameter model learning addition on a CPU in a minute or two). Evaluation
@@ -262,13 +267,38 @@ def validate(args: Args, world_size: int) -> None:
         if a % b:
             raise ValueError(f"{what}: {a} is not divisible by {b}")
         return a // b
+    finite = math.isfinite
+    ranges = [  # (field, valid(value), what is valid); checked before the divisions below, which a 0 would break
+        *[(name, lambda x: x >= 1, "at least 1") for name in (
+            "num_steps", "num_prompts", "num_minibatches", "micro_batch_tokens", "max_prompt_len", "max_response_len",
+            "sampler_batch_size", "vllm_tp", "logprob_chunk", "kl_baseline_steps", "eval_k")],
+        *[(name, lambda x: x >= 0, "at least 0") for name in (
+            "seed", "max_skipped_steps", "eval_every", "eval_max_problems", "save_every", "keep_last")],
+        ("group_size", lambda x: x >= 2, "at least 2: the advantages' baseline is the group's mean reward, so a "
+         "group of one has no learning signal"),
+        ("temperature", lambda x: finite(x) and x > 0, "finite and > 0"),
+        ("lr", lambda x: finite(x) and x > 0, "finite and > 0"),
+        ("adam_betas", lambda b: all(0 <= x < 1 for x in b), "two numbers in [0, 1)"),
+        ("weight_decay", lambda x: finite(x) and x >= 0, "finite and >= 0"),
+        ("max_grad_norm", lambda x: x > 0, "> 0 (inf: no clipping)"),
+        ("eps_low", lambda x: 0 <= x <= 1, "in [0, 1] (1: no lower bound)"),  # CISPO: 1 allowed
+        ("eps_high", lambda x: finite(x) and x >= 0, "finite and >= 0"),
+        ("is_threshold", lambda x: finite(x) and x > 0, "finite and > 0"),
+        ("truncated_reward", finite, "finite"),
+        ("kl_warn_factor", lambda x: finite(x) and x >= 0, "finite and >= 0 (0: off)"),
+        ("eval_temperature", lambda x: finite(x) and x >= 0, "finite and >= 0 (0: greedy)"),
+        ("eval_top_p", lambda x: 0 < x <= 1, "in (0, 1]"),
+        ("vllm_gpu_memory_utilization", lambda x: 0 < x <= 1, "in (0, 1]"),
+        ("vllm_kv_cache_gib", lambda x: finite(x) and x >= 0, "finite and >= 0 (0: measured)"),
+    ]
+    for name, valid, what in ranges:
+        if not valid(getattr(args, name)):
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be {what}")
     exact(args.num_prompts, world_size, "--num-prompts over the ranks (world size)")
     exact(args.num_prompts // world_size, args.num_minibatches, "--num-prompts per rank over --num-minibatches")
     if args.top_p != 1.0:
         raise ValueError("--top-p must be 1.0 for training rollouts: a truncated distribution makes mu and pi "
                          "incomparable (use --eval-top-p for evaluation)")
-    if args.temperature <= 0:
-        raise ValueError("--temperature must be > 0 for training rollouts")
     exact(world_size, args.vllm_tp, "the number of ranks over --vllm-tp")
     resolve_sampler(args.sampler)
     check_reward(args.reward)  # imports a plug-in's module here, so that a typo fails before any model loads
@@ -279,16 +309,20 @@ def validate(args: Args, world_size: int) -> None:
             raise FileNotFoundError(f"dataset {path!r}: no such file")
     if args.resume not in (None, "latest") and not os.path.isdir(args.resume):
         raise FileNotFoundError(f"--resume {args.resume!r}: no such directory")
-    if args.group_size < 2:  # CISPO
-        raise ValueError("--group-size must be at least 2: the advantages divide by the group's std")
+    if args.overwrite and args.resume is not None:
+        raise ValueError("--overwrite removes the run that --resume would continue: give one or the other")
     check_correction_flags(args.is_correction, args.is_threshold, args.old_logp,
                            {"--icepop-bounds": args.icepop_bounds, "--token-mis-bounds": args.token_mis_bounds,
                             "--geo-mis-bounds": args.geo_mis_bounds, "--k3-mis-threshold": args.k3_mis_threshold,
                             "--opsm-delta": args.opsm_delta, "--is-veto": args.is_veto or 1.0})
 
 
+current_step = 0  # the step in progress, which __main__'s message on Ctrl-C names
+
+
 def main(args: Args) -> None:
-    rank, world_size, device = setup_distributed()
+    global current_step
+    rank, world_size, device = setup_distributed(cpu_offload=args.cpu_offload)  # gloo only for offload
     validate(args, world_size)
     rules = reject_rules(args.is_reject, args.is_veto, args.token_mis_bounds, args.geo_mis_bounds,
                          args.k3_mis_threshold, args.opsm_delta)
@@ -297,6 +331,8 @@ def main(args: Args) -> None:
     seed_everything(args.seed)
     run_dir = args.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}")
     ckpt_root = os.path.join(run_dir, "checkpoints")
+    # one run per directory, one at a time: rank 0 holds the directory's lock until this process ends
+    run_lock = claim_run_dir(run_dir, args.resume is not None, args.overwrite)  # noqa: F841
     check_shared_dir(run_dir, device)  # every rank writes its shards into the checkpoints: fail now, not at a save
 
     # --- data
@@ -385,6 +421,7 @@ def main(args: Args) -> None:
     if start_step == 0 and args.eval_every:
         run_eval(0)  # the starting point
     for step in range(start_step + 1, args.num_steps + 1):
+        current_step = step
         t_step = time.perf_counter()
         mem = phase_memory(device)  # {}; resets the peak; each phase adds its GPU memory (none on CPU)
         # --- 1. sample G responses per prompt with the sampler (weights = the current policy, rollout precision)
@@ -400,7 +437,12 @@ def main(args: Args) -> None:
         # --- 2. rewards and std-normalized advantages (CISPO, arXiv 2506.13585 eq. 2; groups are whole on each rank)
         texts = tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
         answers = [p["answer"] for p in batch for _ in range(args.group_size)]
-        rewards, reward_failures = score_rollout(texts, answers, rollout.finished, args.reward, args.truncated_reward)
+        rewards, reward_failures = score_rollout(texts, answers, rollout.finished, args.reward, args.truncated_reward,
+                                                 progress=rank == 0)
+        n = reduce_stats({"failed": reward_failures, "checked": sum(rollout.finished)}, "sum", device)
+        if n["checked"] and n["failed"] == n["checked"]:  # a broken reward function: nothing to learn from zeros
+            raise TrainingFault(f"step {step}: every reward check of the step failed ({int(n['failed'])} responses; "
+                                "the first error of each kind is printed above); stopped before training on it")
         rewards_B = torch.tensor(rewards)
         adv_B = std_advantages(rewards_B, args.group_size)  # CISPO
         resp_lens = [len(r) for r in rollout.response_ids]
@@ -549,3 +591,9 @@ if __name__ == "__main__":
             raise
         print(f"{os.path.basename(__file__)}: error: {e}", file=sys.stderr)
         sys.exit(3 if isinstance(e, TrainingFault) else 2)  # 3: stopped by a fault, 2: bad input
+    except KeyboardInterrupt:  # Ctrl-C: where the run stopped and how to go on, not a traceback
+        if os.environ.get("DEBUG"):
+            raise
+        print(f"{os.path.basename(__file__)}: interrupted at step {current_step}; resume with --resume latest",
+              file=sys.stderr)
+        sys.exit(130)  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended

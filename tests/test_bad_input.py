@@ -21,8 +21,8 @@ from common.rewards import score_rollout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-SCRIPTS = ["grpo.py", "pg_is.py", "gspo.py", "ppo.py"]
-GROUP_BASELINE = ["grpo.py", "pg_is.py", "gspo.py"]  # their advantage is the reward minus the group's mean
+SCRIPTS = ["grpo.py", "pg_is.py", "gspo.py", "ppo.py", "cispo.py"]
+GROUP_BASELINE = ["grpo.py", "pg_is.py", "gspo.py", "cispo.py"]  # their advantage is the reward minus the group's mean
 SMALL = ["--num-prompts", "8", "--group-size", "4", "--num-minibatches", "2", "--eval-every", "0", "--save-every",
          "0"]
 
@@ -75,11 +75,13 @@ BAD_VALUES = [  # (flags, the flag the one-line error must name); every script
 ]
 CLIP = [(["--eps-low", "1.0"], "--eps-low"), (["--eps-low", "-0.1"], "--eps-low"), (["--eps-high", "-0.1"], "--eps-high"),
         (["--eps-high", "nan"], "--eps-high")]  # the scripts with a PPO clip
+CISPO_CLIP = [(["--eps-low", "1.5"], "--eps-low"), (["--eps-low", "-0.1"], "--eps-low"),
+              (["--eps-high", "-0.1"], "--eps-high")]  # CISPO clips a weight: eps_low 1 (no lower bound) is valid
 PPO = [(["--critic-lr", "0"], "--critic-lr"), (["--gamma", "1.5"], "--gamma"), (["--gamma", "nan"], "--gamma"),
        (["--lam", "-0.1"], "--lam"), (["--value-clip", "0"], "--value-clip")]
 CASES = ([(s, *case) for s in SCRIPTS for case in BAD_VALUES]
          + [(s, *case) for s in ("grpo.py", "gspo.py", "ppo.py") for case in CLIP]
-         + [("ppo.py", *case) for case in PPO]
+         + [("ppo.py", *case) for case in PPO] + [("cispo.py", *case) for case in CISPO_CLIP]
          + [(s, ["--group-size", "1"], "--group-size") for s in GROUP_BASELINE])
 
 
