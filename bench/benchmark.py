@@ -2,7 +2,7 @@
 
 Everything runs as the scripts run it: the trainer is common.fsdp.load_policy (FSDP2, fp32 master weights) with the
 chunked fp32 log-prob head, common.precision.LossScaler and AdamW, in micro-batches cut by a token budget (grpo.py
-steps 3 and 5); the samplers are common.sampler.HFSampler and common.vllm_sampler.VLLMSampler; the weight sync is
+steps 3 and 5); the samplers are common.hf_sampler.HFSampler and common.vllm_sampler.VLLMSampler; the weight sync is
 `sampler.load_weights(iter_full_state(...))` (grpo.py step 6). Sections (--only, comma-separated):
 
   matmul          TFLOP/s of large fp16 and bf16 matmuls: the denominator of the MFU figures
@@ -56,7 +56,7 @@ from common.fsdp import iter_full_state, load_policy  # noqa: E402
 from common.logprobs import (_chunk_logprobs, chunked_logprobs, collate, pad_float, split_microbatches,  # noqa: E402
                              to_device)
 from common.precision import DTYPES, LossScaler  # noqa: E402
-from common.sampler import HFSampler  # noqa: E402
+from common.hf_sampler import HFSampler  # noqa: E402
 
 # Qwen2.5 layer shapes (random weights, std 0.02), and SmolLM2-135M's (the real model's) in the same layout; "tiny"
 # runs the whole benchmark on a CPU in seconds.

@@ -113,7 +113,7 @@ def test_graph_vs_eager_check_with_a_stand_in_graph(tmp_path, process_group, mon
     import benchmark
     from test_sampler import _stand_in_capture
 
-    from common.sampler import HFSampler
+    from common.hf_sampler import HFSampler
     _, _, device = process_group
     monkeypatch.setattr(HFSampler, "_capture", _stand_in_capture)
     model_dir = benchmark.build_model_dir("tiny", str(tmp_path / "model"), 0)
