@@ -4,7 +4,7 @@ What it is: GRPO as in Dr.GRPO ("Understanding R1-Zero-Like Training", Liu et al
 std, PPO clip with clip-higher (eps_low 0.2, eps_high 0.28, DAPO), token sums divided by a constant (the maximum
 response length), no KL term, no entropy bonus. The sampler's log-probs (mu) enter only through --is-correction
 (token-tis: per-token truncated importance weights; seq-mis: sequence-level masked importance sampling), as in the
-FP16 study ("Defeating the Training-Inference Mismatch via FP16", arXiv 2510.26788) and ALGORITHMS.md.
+FP16 study ("Defeating the Training-Inference Mismatch via FP16", arXiv 2510.26788) and docs/algorithms.md.
 
     python grpo.py                                   # the built-in task: a tiny model learns addition, no downloads
     python grpo.py --precision bf16                  # the same in BF16, to see the mismatch grow
@@ -134,7 +134,7 @@ class Args:
     """PPO clip-higher (DAPO): upper bound 1 + eps_high on the ratio"""
     is_correction: Literal["none", "token-tis", "seq-mis"] = "none"
     """rollout correction: 'token-tis' weights each token by min(pi_old/mu, C); 'seq-mis' weights each sequence by
-    rho = prod_t pi_old/mu, masked to 0 where rho > C (ALGORITHMS.md)"""
+    rho = prod_t pi_old/mu, masked to 0 where rho > C (docs/algorithms.md)"""
     is_threshold: float = 3.0
     """C of the corrections (the study's text: 3; its code used 2 for Token-TIS and 10 for Seq-MIS)"""
     # --- memory
