@@ -2,7 +2,7 @@
 and cispo.py put on their per-token loss. Pure functions, no gradient through any of them; the losses stay in the
 scripts. docs/corrections.md has the table (flag, formula, source, cost).
 
-Notation (ALGORITHMS.md): per response token t of sequence i, rho_t = pi_old(y_t) / mu(y_t), log rho_t = old_logp -
+Notation (docs/algorithms.md): per response token t of sequence i, rho_t = pi_old(y_t) / mu(y_t), log rho_t = old_logp -
 mu_logp, computed in log space; m_t the response mask, L_i = sum_t m_t. Two kinds of correction:
 - a weight w_t (--is-correction, one of WEIGHTS), fixed before training from old_logp and mu_logp;
 - rejection rules (--is-reject, any of REJECTS, and --is-veto), each a keep mask; a rejected token's loss term is

@@ -5,7 +5,7 @@ std, PPO clip with clip-higher (eps_low 0.2, eps_high 0.28, DAPO), token sums di
 response length), no KL term, no entropy bonus. The sampler's log-probs (mu) enter only through the rollout
 corrections: a weight on each token's loss (--is-correction; token-tis: per-token truncated importance weights,
 seq-mis: sequence-level masked importance sampling, as in the FP16 study, "Defeating the Training-Inference Mismatch
-via FP16", arXiv 2510.26788, and ALGORITHMS.md) and rejection rules (--is-reject, --is-veto); corrections.py holds
+via FP16", arXiv 2510.26788, and docs/algorithms.md) and rejection rules (--is-reject, --is-veto); corrections.py holds
 them all, docs/corrections.md compares them. --old-logp mu skips the recompute: pi_old is then mu.
 
     python grpo.py                                   # the built-in task: a tiny model learns addition, no downloads

@@ -1,6 +1,6 @@
 """GSPO: the PPO clip on a length-normalized sequence ratio, with std-normalized group advantages.
 
-What it is: GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071; ALGORITHMS.md): per
+What it is: GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071; docs/algorithms.md): per
 sequence the ratio s_i = exp(mean_t (logp_it - old_logp_it)) over its response tokens (eq. 7), with the gradient of
 s_i flowing through every token's logp; loss per sequence -min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)
 (eq. 5) with the paper's tiny clip range eps_low 3e-4, eps_high 4e-4 (Sec. 5.1); advantages A_i = (r_i - mean) /

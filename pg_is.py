@@ -1,7 +1,7 @@
 """PG-Seq-IS: plain policy gradient with a sequence-level importance weight pi_theta/mu (also -TIS, -MIS).
 
 What it is: the FP16 study's policy gradient ("Defeating the Training-Inference Mismatch via FP16", arXiv 2510.26788,
-eq. 5; ALGORITHMS.md): per-token loss l_it = -sg[rho_i] A_i logp_it with rho_i = exp(sum_t m_it (sg[logp_it] -
+eq. 5; docs/algorithms.md): per-token loss l_it = -sg[rho_i] A_i logp_it with rho_i = exp(sum_t m_it (sg[logp_it] -
 mu_logp_it)), the *current* policy over the sampler's distribution mu. The weight so corrects the training-inference
 mismatch and, on mini-batches 2..N of a step, the policy's own drift. No PPO clip, no KL term, no entropy bonus.
 --is-mode tis uses min(rho_i, C) (PG-Seq-TIS), --is-mode mis rho_i * 1{rho_i <= C} (PG-Seq-MIS). Advantages and

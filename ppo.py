@@ -2,7 +2,7 @@
 mismatch (Token-TIS, Seq-MIS, ... as grpo.py).
 
 What it is: PPO as the FP16 study runs it ("Defeating the Training-Inference Mismatch via FP16", arXiv 2510.26788;
-ALGORITHMS.md): a critic initialized from the policy's weights with a scalar value head, per-token GAE advantages
+docs/algorithms.md): a critic initialized from the policy's weights with a scalar value head, per-token GAE advantages
 (gamma = lambda = 1 by default) whitened over the rollout batch's response tokens, grpo.py's clipped surrogate with
 clip-higher (eps_low 0.2, eps_high 0.28) and constant normalizer on those advantages, a value loss clipped at 0.2,
 no KL term, no entropy bonus. The sampler's log-probs (mu) enter only through the rollout corrections, as in
@@ -184,11 +184,11 @@ class Args:
     """critic AdamW learning rate (constant; betas, weight decay and grad-norm clip as the policy's). 10x the policy's,
     as verl's PPO defaults (critic.optim.lr 1e-5, actor 1e-6)"""
     gamma: float = 1.0  # PPO
-    """GAE discount (ALGORITHMS.md: 1)"""
+    """GAE discount (docs/algorithms.md: 1)"""
     lam: float = 1.0  # PPO
-    """GAE lambda (ALGORITHMS.md: 1; then every token's return is the terminal reward)"""
+    """GAE lambda (docs/algorithms.md: 1; then every token's return is the terminal reward)"""
     value_clip: float = 0.2  # PPO
-    """value-loss clip: V_clipped = V_old + clip(V - V_old, -value_clip, value_clip) (ALGORITHMS.md: 0.2)"""
+    """value-loss clip: V_clipped = V_old + clip(V - V_old, -value_clip, value_clip) (docs/algorithms.md: 0.2)"""
     # --- memory
     gradient_checkpointing: bool = True
     """recompute decoder layers' activations in the backward pass"""
@@ -305,7 +305,7 @@ def policy_loss(logp_BT, old_logp_BT, adv_BT, weight_BT, mask_BT, eps_low: float
 
 
 def value_loss(values_BT, old_values_BT, returns_BT, mask_BT, value_clip: float, num_tokens: int):
-    """PPO: the clipped value loss (ALGORITHMS.md; verl/trainer/ppo/core_algos.py, compute_value_loss), averaged over
+    """PPO: the clipped value loss (docs/algorithms.md; verl/trainer/ppo/core_algos.py, compute_value_loss), averaged over
     response tokens:
     loss = (1/N_tok) sum_it m_it 0.5 max((V - R)^2, (V_clipped - R)^2),  V_clipped = V_old + clip(V - V_old, -c, c).
     N_tok is the mini-batch's response-token count over all ranks and micro-batches, so as with policy_loss the
@@ -435,7 +435,7 @@ def main(args: Args) -> None:
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     scaler = LossScaler(enabled=train_prec == "fp16", max_consecutive_skips=args.max_skipped_steps)
     monitor = MismatchMonitor(args.kl_warn_factor, args.kl_baseline_steps)  # early warning of collapse
-    # PPO: the critic starts from the policy's weights (ALGORITHMS.md) plus a value head, sharded and precision-managed
+    # PPO: the critic starts from the policy's weights (docs/algorithms.md) plus a value head, sharded and precision-managed
     # as the policy (same MixedPrecisionPolicy, fp32 master weights, --cpu-offload), with its own AdamW and loss scaler
     critic = load_critic(critic_resume_dir or model_path, DTYPES[train_prec], device, args.gradient_checkpointing,
                          seed=args.seed, cpu_offload=args.cpu_offload, compile=args.compile)

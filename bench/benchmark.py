@@ -2,8 +2,9 @@
 
 Everything runs as the scripts run it: the trainer is common.fsdp.load_policy (FSDP2, fp32 master weights) with the
 chunked fp32 log-prob head, common.precision.LossScaler and AdamW, in micro-batches cut by a token budget (grpo.py
-steps 3 and 5); the samplers are common.sampler.HFSampler and common.vllm_sampler.VLLMSampler; the weight sync is
-`sampler.load_weights(iter_full_state(...))` (grpo.py step 6). Sections (--only, comma-separated):
+steps 3 and 5, with grpo.py's own drgrpo_advantages and policy_loss); the samplers are common.hf_sampler.HFSampler
+and common.vllm_sampler.VLLMSampler; the weight sync is `sampler.load_weights(iter_full_state(...))` (grpo.py
+step 6). Sections (--only, comma-separated):
 
   matmul          TFLOP/s of large fp16 and bf16 matmuls: the denominator of the MFU figures
   trainer         tokens/s of the recompute (no-grad forward, grpo.py step 3) and of training (forward, backward,
@@ -29,11 +30,12 @@ steps 3 and 5); the samplers are common.sampler.HFSampler and common.vllm_sample
         --rl-runs "before@../old-checkout:" "after:" "after_eager:--no-compile" --name real   # side by side
 
 Results go to <out-dir>/<name>.json and .md, rewritten after every measurement (a run cut short keeps what it
-finished); sections already in that JSON and not run again are kept. Needs no tyro (argparse), so it runs with
-the bare torch + transformers of a GPU machine; rl_step runs grpo.py, which does.
+finished); sections already in that JSON and not run again are kept. It imports grpo.py's loss, so it needs the
+scripts' requirements (requirements.txt, tyro among them).
 """
 import argparse
 import datetime
+import functools
 import gc
 import importlib.metadata
 import importlib.util
@@ -53,10 +55,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common.dist import print0, setup_distributed  # noqa: E402
 from common.fsdp import iter_full_state, load_policy  # noqa: E402
-from common.logprobs import (_chunk_logprobs, chunked_logprobs, collate, pad_float, split_microbatches,  # noqa: E402
-                             to_device)
+import grpo  # noqa: E402  (its loss and advantages, timed as grpo.py runs them; importing it has no side effects)
+from common.hf_sampler import HFSampler  # noqa: E402
+from common.logprobs import chunked_logprobs, collate, pad_float, split_microbatches, to_device  # noqa: E402
+from common.metrics import mismatch_stats  # noqa: E402
 from common.precision import DTYPES, LossScaler  # noqa: E402
-from common.sampler import HFSampler  # noqa: E402
 
 # Qwen2.5 layer shapes (random weights, std 0.02), and SmolLM2-135M's (the real model's) in the same layout; "tiny"
 # runs the whole benchmark on a CPU in seconds.
@@ -381,19 +384,12 @@ def matmul_peaks(res: Results, args, device) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # trainer
 
-def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, eps_low, eps_high, max_response_len, num_seqs):
-    """grpo.py's clipped surrogate with the constant normalizer (here without its statistics): the bench must not
-    import an algorithm script (grpo.py needs tyro, which a bare GPU machine lacks)."""
-    ratio_BT = torch.exp(logp_BT - old_logp_BT)
-    adv_BT = adv_B[:, None]
-    loss_BT = -torch.min(ratio_BT * adv_BT, ratio_BT.clamp(1 - eps_low, 1 + eps_high) * adv_BT)
-    return (loss_BT * mask_BT.float()).sum() / max_response_len / num_seqs
-
-
 def trainer_step(model, params, optimizer, scaler, prompts, responses, args, pad_id, device, world_size):
-    """One RL step's trainer work, as grpo.py does it: recompute old_logp and the entropy without gradients
-    (step 3), then num_minibatches optimizer steps over micro-batches cut by the token budget (step 5). Returns
-    (seconds recompute, seconds train, peak GiB recompute, peak GiB train)."""
+    """One RL step's trainer work, as grpo.py's main does it and with its own functions: recompute old_logp and the
+    entropy without gradients (step 3), then num_minibatches optimizer steps over micro-batches cut by the token
+    budget (step 5) with grpo.py's drgrpo_advantages and policy_loss, so that a change of the loss is timed as it
+    runs. Rewards alternate 1, 0 (groups of 2); the weights are those of --is-correction none (1): the arithmetic
+    does not depend on the values. Returns (seconds recompute, seconds train, peak GiB recompute, peak GiB train)."""
     seq_lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
     resp_lens = [len(r) for r in responses]
     sync()
@@ -404,7 +400,7 @@ def trainer_step(model, params, optimizer, scaler, prompts, responses, args, pad
         for mb in split_microbatches(seq_lens, args.micro_batch_tokens):
             ids, attn, rmask = collate([prompts[i] for i in mb], [responses[i] for i in mb], pad_id, device)
             logp_BT, ent_BT = model(ids, attn, rmask, 1.0, args.logprob_chunk, with_entropy=True)
-            ent_BT[rmask].sum().item()
+            ent_BT[rmask].sum().item()  # (grpo.py adds up the entropy, reading it once per micro-batch)
             logp_BT = logp_BT.cpu()
             for row, i in enumerate(mb):
                 old_logp[i] = logp_BT[row, :resp_lens[i]]
@@ -416,9 +412,10 @@ def trainer_step(model, params, optimizer, scaler, prompts, responses, args, pad
     model.train()
     T = max(resp_lens)
     old_all = pad_float(old_logp, T, "cpu")
-    adv_B = torch.where(torch.arange(len(seq_lens)) % 2 == 0, 1.0, -1.0)
+    adv_B = grpo.drgrpo_advantages((torch.arange(len(seq_lens)) % 2 == 0).float(), 2)
+    weight_all = torch.ones_like(old_all)
     seqs_per_mb = len(seq_lens) // args.num_minibatches
-    loss_sum = 0.0
+    loss_sum, pol = 0.0, {}
     for k in range(args.num_minibatches):
         mb_idx = list(range(k * seqs_per_mb, (k + 1) * seqs_per_mb))
         for micro in split_microbatches([seq_lens[i] for i in mb_idx], args.micro_batch_tokens):
@@ -426,12 +423,14 @@ def trainer_step(model, params, optimizer, scaler, prompts, responses, args, pad
             ids, attn, rmask = collate([prompts[i] for i in idx], [responses[i] for i in idx], pad_id, device)
             Tm = rmask.shape[1]
             logp_BT, _ = model(ids, attn, rmask, 1.0, args.logprob_chunk)
-            loss = policy_loss(logp_BT, to_device(old_all[idx, :Tm], device), to_device(adv_B[idx], device), rmask,
-                               0.2, 0.28, T, seqs_per_mb * world_size)
+            loss, stats = grpo.policy_loss(logp_BT, to_device(old_all[idx, :Tm], device), to_device(adv_B[idx], device),
+                                           to_device(weight_all[idx, :Tm], device), rmask, 0.2, 0.28, T,
+                                           seqs_per_mb * world_size)
             scaler.scale_loss(loss * world_size).backward()
-            loss_sum = loss_sum + loss.detach()  # read once per step, as grpo.py does
+            loss_sum += loss.detach()
+            pol = {key: pol.get(key, 0.0) + v for key, v in stats.items()}
         scaler.step(params, optimizer, 1.0)
-    float(loss_sum)
+    loss_sum, pol = float(loss_sum), {key: float(v) for key, v in pol.items()}  # read once per step, as grpo.py does
     # (no model.eval(): grpo.py's model stays in train mode, and a compiled layer would recompile for the other mode)
     sync()
     return t_recompute, time.perf_counter() - t0, mem_recompute, peak_gib()
@@ -465,12 +464,12 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
                        "micro_batch_tokens": args.micro_batch_tokens, "grad_ckpt": args.gradient_checkpointing,
                        "compile": "on" if compiled else "off",
                        "ranks": world_size}
+                step = functools.partial(trainer_step, model, params, optimizer, scaler, prompts, responses, args,
+                                         pad_id, device, world_size)
                 try:
                     print0(f"[{now()}] trainer {precision} {args.num_seqs} x ({args.prompt_len}+{resp_len}): warm-up")
-                    trainer_step(model, params, optimizer, scaler, prompts, responses, args, pad_id, device,
-                                 world_size)
-                    times = [trainer_step(model, params, optimizer, scaler, prompts, responses, args, pad_id, device,
-                                          world_size) for _ in range(args.iters)]
+                    step()
+                    times = [step() for _ in range(args.iters)]
                 except torch.cuda.OutOfMemoryError as e:
                     row["error"] = "OOM"
                     print0(f"[{now()}] trainer {precision} response {resp_len}: OOM ({str(e)[:200]})")
@@ -491,8 +490,7 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
                            peak_gib_train=max(t[3] for t in times) if times[0][3] is not None else None,
                            loss_scale=scaler.scale, skipped_steps=scaler.skipped_steps)
                 if args.profile:
-                    t, prof = profiled(lambda: trainer_step(model, params, optimizer, scaler, prompts, responses, args,
-                                                            pad_id, device, world_size))
+                    t, prof = profiled(step)
                     busy = gpu_busy_s(prof)
                     if busy is not None:  # of the unprofiled step time (the profiler slows the host down)
                         row.update(gpu_busy_s=round(busy, 3), gpu_busy_frac=round(busy / (t_rec + t_train), 3))
@@ -521,9 +519,9 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
 # log-prob memory
 
 def bench_logprob_memory(res: Results, args, device):
-    """Peak memory of log-probs of N tokens over the shape's vocabulary, chunked (common.logprobs, each chunk
-    checkpointed) against the plain full-logits log_softmax (the same chunk function on all N tokens at once), with
-    gradients (training) and without (the recompute, with entropy)."""
+    """Peak memory of log-probs of N tokens over the shape's vocabulary with common.logprobs.chunked_logprobs, in chunks
+    of --logprob-chunk tokens against one chunk of all N (the full fp32 logits at once, what --logprob-chunk >= N
+    gives), with gradients (training) and without (the recompute, with entropy)."""
     res.start("logprob_memory", [])
     H, V = SHAPES[args.shape]["hidden_size"], SHAPES[args.shape]["vocab_size"]
     N, dtype = args.logprob_tokens, DTYPES[args.precisions[0]]
@@ -533,7 +531,7 @@ def bench_logprob_memory(res: Results, args, device):
     targets = torch.randint(0, V, (N,), device=device, generator=g)
     cases = {
         "chunked": lambda ent: chunked_logprobs(hidden, weight, targets, 1.0, args.logprob_chunk, with_entropy=ent),
-        "full logits": lambda ent: _chunk_logprobs(hidden, weight, targets, 1.0, ent),
+        "full logits": lambda ent: chunked_logprobs(hidden, weight, targets, 1.0, N, with_entropy=ent),
     }
     for mode in ("forward+backward", "no-grad forward with entropy"):
         for name, fn in cases.items():
@@ -775,13 +773,11 @@ def bench_sync(res: Results, args, model_dir, device):
         ids, attn, rmask = collate(out.prompt_ids, out.response_ids, V - 1, device)
         with torch.no_grad():
             logp, _ = trainer(ids, attn, rmask, 1.0, args.logprob_chunk)
-        mu = torch.zeros_like(logp)
-        for b, lp in enumerate(out.logprobs):
-            mu[b, :len(lp)] = lp.to(device)
-        d = (logp - mu)[rmask]
+        mu = pad_float(out.logprobs, rmask.shape[1], device)
+        sums, _, _ = mismatch_stats(logp, mu, rmask, 3.0, seq_ratio=False)  # the scripts' mismatch/kl_k3
         row = {"when": f"{when} a sync of changed weights", "path": decode_path(sampler),
-               "precision": args.sampler_precision, "tokens": int(rmask.sum()),
-               "kl_k3": float((torch.expm1(d) - d).mean()), "max_abs_logprob_diff": float(d.abs().max())}
+               "precision": args.sampler_precision, "tokens": int(sums["n_tokens"]),
+               "kl_k3": sums["kl_k3"] / sums["n_tokens"], "max_abs_logprob_diff": float((logp - mu)[rmask].abs().max())}
         res.add("sync_check", row)
         print0(f"[{now()}] sampler vs trainer {when} sync: kl_k3 {row['kl_k3']:.2e}, max |dlogp| "
                f"{row['max_abs_logprob_diff']:.2e} ({row['path']})")

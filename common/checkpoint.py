@@ -129,9 +129,13 @@ def save_checkpoint(ckpt_root: str, step: int, model: torch.nn.Module, lm: torch
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
-def write_safetensors(path: str, entries: list[tuple[str, tuple, torch.dtype]], tensors) -> None:
+def write_safetensors(path: str, entries: list[tuple[str, tuple, torch.dtype]], tensors, progress=None,
+                      progress_min_bytes: int = 2**30) -> None:
     """A safetensors file written one tensor at a time: the header (names, dtypes, shapes, byte offsets) first, from
-    `entries`, then each tensor of the iterator `tensors` ((name, tensor) in the same order) as it comes."""
+    `entries`, then each tensor of the iterator `tensors` ((name, tensor) in the same order) as it comes.
+    progress(bytes_written, total_bytes), when given, is called after each tensor; without it a file of
+    progress_min_bytes or more shows a byte-count bar (a 1.5B model's fp32 weights are 6 GB: minutes of gathering
+    and writing that would otherwise look like a hang)."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape, dtype in entries:
         size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
@@ -139,6 +143,12 @@ def write_safetensors(path: str, entries: list[tuple[str, tuple, torch.dtype]], 
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    bar = None
+    if progress is None and offset >= progress_min_bytes:  # (only rank 0 writes this file: one bar)
+        from tqdm import tqdm
+        bar = tqdm(total=offset, unit="B", unit_scale=True, desc=f"[checkpoint] {os.path.basename(path)}",
+                   leave=False, mininterval=5.0)
+    written = 0
     with open(path, "wb") as f:
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
@@ -146,6 +156,13 @@ def write_safetensors(path: str, entries: list[tuple[str, tuple, torch.dtype]], 
             if got != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                 raise RuntimeError(f"write_safetensors: expected {name} {shape} {dtype}, got {got} {tuple(t.shape)} {t.dtype}")
             f.write(t.contiguous().view(torch.uint8).numpy().data)
+            written += t.numel() * t.element_size()
+            if progress is not None:
+                progress(written, offset)
+            if bar is not None:
+                bar.update(t.numel() * t.element_size())
+    if bar is not None:
+        bar.close()
 
 
 def check_shared_dir(path: str, device) -> None:

@@ -1,8 +1,11 @@
 """Logging on rank 0: a progress bar, one readable line per step, metrics.jsonl in the run directory, and wandb
-only with --track (offline when no account is configured). Other ranks get a logger that does nothing."""
+only with --track (offline when no account is configured). Other ranks get a logger that does nothing.
+
+The step line ends with the time since the logger started and an estimate of the time left (see eta_s)."""
 import json
 import math
 import os
+import time
 
 from tqdm import tqdm
 
@@ -24,6 +27,9 @@ class Logger:
         self.file = open_metrics(os.path.join(run_dir, "metrics.jsonl"), start_step)
         self.bar = tqdm(total=total_steps, initial=start_step, desc=run_name or "train", dynamic_ncols=True,
                         disable=None)  # None: a bar on a terminal, none in a log file
+        self.total_steps = total_steps
+        self.t_start = self.t_last = time.monotonic()
+        self.intervals = []  # wall seconds between this run's consecutive step lines
         self.wandb = None
         if track:
             import wandb
@@ -39,7 +45,14 @@ class Logger:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         if advance:
+            now = time.monotonic()
+            self.intervals.append(now - self.t_last)
+            self.t_last = now
             parts = [f"step {step}"] + [f"{short} {fmt(metrics[k])}" for k, short in LINE_KEYS if k in metrics]
+            parts.append(f"elapsed {fmt_duration(now - self.t_start)}")
+            left = eta_s(self.intervals, self.total_steps - step)
+            if left is not None:
+                parts.append(f"left ~{fmt_duration(left)}")
             self.bar.write(" | ".join(parts))
             self.bar.update(1)
         else:
@@ -80,6 +93,27 @@ def _step(line: str) -> int | None:
         return json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):  # a row torn by a crash mid-write
         return None
+
+
+def eta_s(intervals: list[float], steps_left: int) -> float | None:
+    """Seconds left: steps_left times the mean of `intervals`, the wall times between this run's consecutive step
+    lines, leaving out the first (it carries one-time costs: compilation, CUDA graph capture, the initial evaluation,
+    a resume's loading). The intervals include the evaluations and checkpoints that fell between steps, which recur in
+    the rest of the run. None before a second step (there is no estimate yet)."""
+    later = intervals[1:]
+    if not later:
+        return None
+    return max(steps_left, 0) * sum(later) / len(later)
+
+
+def fmt_duration(seconds: float) -> str:
+    """45s, 3m05s, 2h07m: two units at most, rounded down."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def fmt(x) -> str:

@@ -1,4 +1,4 @@
-"""The training-inference mismatch metrics of every step (ALGORITHMS.md), over all response tokens of the rollout
+"""The training-inference mismatch metrics of every step (docs/algorithms.md), over all response tokens of the rollout
 batch on every rank: local sums / maxes / mins here, reduced across ranks by common.dist.reduce_stats."""
 import torch
 
@@ -32,7 +32,7 @@ def mismatch_stats(old_logp_BT: torch.Tensor, mu_logp_BT: torch.Tensor, mask_BT:
 
 
 def mismatch_metrics(sums: dict, maxes: dict, mins: dict, seq_ratio: bool) -> dict:
-    """Metric keys of ALGORITHMS.md from reduced statistics."""
+    """Metric keys of docs/algorithms.md from reduced statistics."""
     n_tok, n_seq = max(sums["n_tokens"], 1.0), max(sums["n_seqs"], 1.0)
     return {
         "mismatch/kl_k1": sums["kl_k1"] / n_tok, "mismatch/kl_k2": sums["kl_k2"] / n_tok,

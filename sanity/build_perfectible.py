@@ -1,7 +1,7 @@
 """Build a perfectible dataset: the problems the initial model solves sometimes, but not always.
 
 The sanity test of the FP16 study ("Defeating the Training-Inference Mismatch via FP16", arXiv 2510.26788;
-ALGORITHMS.md): sample k responses per problem with the initial model (the study: 40 per MATH problem), keep the
+docs/algorithms.md): sample k responses per problem with the initial model (the study: 40 per MATH problem), keep the
 problems whose success rate lies in [0.2, 0.8]. Each kept problem is solvable and not trivial, so a sound RL algorithm
 drives training accuracy on them to >= 95%; sanity/run_sanity.py checks that.
 

@@ -9,7 +9,7 @@ For each precision p (fp32 is always measured: it is the reference of (d)):
   (b) the sequence log-ratio sum_t (log pi - log mu) against the response length, with its least-squares line
       (slope reported per 1K tokens; the study: about -1.0 in BF16 and -0.07 in FP16; log_ratio_vs_length.png),
   (c) KL(mu || pi) over the response tokens: k1 = mean(log mu - log pi), k2 = mean 0.5 (log mu - log pi)^2,
-      k3 = mean(exp(d) - 1 - d) with d = log pi - log mu (ALGORITHMS.md's mismatch/kl_*),
+      k3 = mean(exp(d) - 1 - d) with d = log pi - log mu (docs/algorithms.md's mismatch/kl_*),
   (d) for the sequences sampled in fp32, the trainer's log-probs in fp16 and bf16 against its fp32 ones:
       mean and max |lp_p - lp_32| over tokens, the relative error mean|lp_p - lp_32| / mean|lp_32| over tokens, and
       the same relative error of the sequence log-probs sum_t lp.
@@ -108,7 +108,7 @@ def fit_slope(lengths, values) -> tuple[float, float, float]:
 
 
 def kl_estimates(pi_logp: list[torch.Tensor], mu_logp: list[torch.Tensor]) -> dict:
-    """KL(mu || pi) over all tokens, from samples of mu (ALGORITHMS.md): k1, k2, k3, and mean |pi - mu| in
+    """KL(mu || pi) over all tokens, from samples of mu (docs/algorithms.md): k1, k2, k3, and mean |pi - mu| in
     probability space. The inputs are per-sequence fp32 log-probs of the sampled tokens."""
     from common.logprobs import pad_float
     from common.metrics import mismatch_metrics, mismatch_stats

@@ -1,4 +1,4 @@
-"""The perfectible-dataset sanity test (ALGORITHMS.md): build the perfectible set, train every algorithm at every
+"""The perfectible-dataset sanity test (docs/algorithms.md): build the perfectible set, train every algorithm at every
 precision on it, and check that training accuracy reaches 95%; then the offline mismatch analysis and a report.
 
 A perfectible set holds only problems the initial model solves sometimes (success rate in [0.2, 0.8] over k

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common.logger
 import common.precision
 import common.rewards
-import common.sampler
+import common.hf_sampler
 
 script, mode, from_step, argv = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 on = {"now": from_step <= 1}
@@ -46,21 +46,21 @@ elif mode == "reward-all":
         return exact(response, answer)
     common.rewards._CHECKS["exact"] = broken
 elif mode == "nan-logprob":  # the sampler reports a NaN log-prob (a forward that overflowed in 16 bits)
-    generate = common.sampler.HFSampler.generate
+    generate = common.hf_sampler.HFSampler.generate
     def nan_first(self, *a, **k):  # noqa: E306
         out = generate(self, *a, **k)
         if on["now"] and out.logprobs:
             out.logprobs[0] = out.logprobs[0] * float("nan")
         return out
-    common.sampler.HFSampler.generate = nan_first
+    common.hf_sampler.HFSampler.generate = nan_first
 elif mode == "mismatch":
-    generate = common.sampler.HFSampler.generate
+    generate = common.hf_sampler.HFSampler.generate
     def shifted(self, *a, **k):  # noqa: E306
         out = generate(self, *a, **k)
         if on["now"]:
             out.logprobs = [lp - 1.0 for lp in out.logprobs]
         return out
-    common.sampler.HFSampler.generate = shifted
+    common.hf_sampler.HFSampler.generate = shifted
 else:
     raise SystemExit(f"unknown mode {mode!r}")
 

@@ -113,7 +113,7 @@ def test_graph_vs_eager_check_with_a_stand_in_graph(tmp_path, process_group, mon
     import benchmark
     from test_sampler import _stand_in_capture
 
-    from common.sampler import HFSampler
+    from common.hf_sampler import HFSampler
     _, _, device = process_group
     monkeypatch.setattr(HFSampler, "_capture", _stand_in_capture)
     model_dir = benchmark.build_model_dir("tiny", str(tmp_path / "model"), 0)
@@ -125,6 +125,36 @@ def test_graph_vs_eager_check_with_a_stand_in_graph(tmp_path, process_group, mon
     benchmark.graph_vs_eager_check(res, args, model_dir, sampler, prompts, torch.float32, device)
     rows = res.data["sampler_check"]
     assert len(rows) == 2 and all(r["tokens_identical"] and r["max_abs_logprob_diff"] == 0 for r in rows)
+
+
+def test_trainer_step_runs_grpos_own_loss(tmp_path, process_group, monkeypatch):
+    """The trainer section times grpo.py's policy_loss and drgrpo_advantages themselves (a change of the loss is
+    benchmarked as it runs), once per micro-batch, and reads their statistics as grpo.py does."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import benchmark
+    import grpo
+
+    from common.fsdp import load_policy
+    _, _, device = process_group
+    calls = {"loss": 0, "adv": 0}
+
+    def counting(fn, key):
+        def wrapped(*a, **kw):
+            calls[key] += 1
+            return fn(*a, **kw)
+        return wrapped
+    monkeypatch.setattr(grpo, "policy_loss", counting(grpo.policy_loss, "loss"))
+    monkeypatch.setattr(grpo, "drgrpo_advantages", counting(grpo.drgrpo_advantages, "adv"))
+    model_dir = benchmark.build_model_dir("tiny", str(tmp_path / "model"), 0)
+    args = benchmark.parse_args(["--shape", "tiny", "--num-minibatches", "2"])
+    model = load_policy(model_dir, torch.float32, device, gradient_checkpointing=False)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-6)
+    prompts, responses = benchmark.random_prompts(4, 16, 1000, 0), benchmark.random_prompts(4, 8, 1000, 1)
+    t_rec, t_train, _, _ = benchmark.trainer_step(model, params, optimizer, benchmark.LossScaler(enabled=False),
+                                                  prompts, responses, args, 999, device, 1)
+    assert t_rec > 0 and t_train > 0
+    assert calls == {"loss": 2, "adv": 1}  # 2 mini-batches of 2 rows x 24 tokens, each one micro-batch (budget 256)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")

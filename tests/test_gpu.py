@@ -40,7 +40,7 @@ def test_sampler_vs_trainer_logprobs_on_gpu(small_model_dir, precision):
     from common.fsdp import load_policy
     from common.logprobs import collate
     from common.precision import DTYPES
-    from common.sampler import HFSampler
+    from common.hf_sampler import HFSampler
     _, _, device = setup_distributed(cpu_offload=True)  # (one group for the file: its offload test needs gloo)
     dtype = DTYPES[precision]
     sampler = HFSampler(small_model_dir, dtype, device, seed=0)

@@ -1,4 +1,4 @@
-"""grpo.py's pure functions against hand-computed values, and the invariances ALGORITHMS.md requires."""
+"""grpo.py's pure functions against hand-computed values, and the invariances docs/algorithms.md requires."""
 import math
 
 import pytest

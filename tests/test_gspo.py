@@ -1,4 +1,4 @@
-"""gspo.py's pure functions against hand-computed values and their limits (ALGORITHMS.md: GSPO, Zheng et al. 2025,
+"""gspo.py's pure functions against hand-computed values and their limits (docs/algorithms.md: GSPO, Zheng et al. 2025,
 eq. 5-7), and gspo.py end to end under torchrun on the built-in task."""
 import json
 import math

@@ -1,4 +1,4 @@
-"""pg_is.py's pure functions against hand-computed values and their limits (ALGORITHMS.md: PG-Seq-IS, the FP16
+"""pg_is.py's pure functions against hand-computed values and their limits (docs/algorithms.md: PG-Seq-IS, the FP16
 study's eq. 5), and pg_is.py end to end under torchrun on the built-in task."""
 import json
 import math

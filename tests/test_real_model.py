@@ -97,7 +97,7 @@ def real_model_dir():
 def test_converted_model_ends_where_the_chat_template_ends_a_turn(real_model_dir):
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from common.data import format_prompt
-    from common.sampler import HFSampler
+    from common.hf_sampler import HFSampler
     tok = AutoTokenizer.from_pretrained(real_model_dir)
     cfg, gen = AutoConfig.from_pretrained(real_model_dir), GenerationConfig.from_pretrained(real_model_dir)
     assert (cfg.model_type, cfg.num_hidden_layers, cfg.vocab_size) == ("llama", 30, 49152)

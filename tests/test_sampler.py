@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from common.fsdp import iter_full_state, load_policy
 from common.logprobs import collate
-from common.sampler import HFSampler, process_logits
+from common.hf_sampler import HFSampler, process_logits
 
 PROMPTS = [[4, 5, 13, 6, 14], [7, 14], [3, 3, 3, 13, 9, 14]]
 
@@ -219,7 +219,7 @@ def test_unusable_static_cache_falls_back_to_dynamic_cache(tiny_model_dir, proce
     """A transformers version whose StaticCache does not append where this code expects, or without the attention
     registry: the sampler says so and decodes with the DynamicCache, with the same results."""
     _, _, device = process_group
-    import common.sampler as sampler_module
+    import common.hf_sampler as sampler_module
 
     class ShiftedStaticCache(sampler_module.StaticCache):
         def get_seq_length(self, layer_idx=0):
