@@ -74,8 +74,9 @@ def _fraction(rng, v, kind, noun, n):
     if not fits:
         return None
     p, q = rng.choice(fits)
-    text = {"items": f"{n} gives away {p}/{q} of the {noun}.", "containers": f"{p}/{q} of the {noun} are sold.",
-            "dollars": f"{n} spends {p}/{q} of the money."}[kind]
+    text = {"items": f"{n} gives away {p}/{q} of the {noun} and keeps the rest.",
+            "containers": f"{p}/{q} of the {noun} are sold and the rest are kept.",
+            "dollars": f"{n} spends {p}/{q} of the money and keeps the rest."}[kind]
     return (v - v * p // q, kind, noun), text, ["fraction_off", p, q]
 
 
