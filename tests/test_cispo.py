@@ -115,5 +115,5 @@ def test_cispo_runs_under_torchrun(tmp_path):
 def test_group_of_one_fails_fast(tmp_path):
     p = subprocess.run([sys.executable, "cispo.py", "--run-dir", str(tmp_path), "--group-size", "1"], cwd=ROOT,
                        env=ENV, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "group's std" in p.stderr, p.stderr[-2000:]
+    assert p.returncode == 2 and "--group-size 1: must be at least 2" in p.stderr, p.stderr[-2000:]
     assert "Loading weights" not in p.stderr
