@@ -86,8 +86,9 @@ sanity-real: real-model
 # Chain-of-thought at 1.5B: the perfectible set of the multi-step problems (k = 16 over COT_PROBLEMS of them, bf16,
 # up to 1,024 response tokens, the R1 instruction, math-verify on \boxed{}), then grpo.py at fp16 and at bf16 side by
 # side on one GPU, COT_STEPS steps each, evaluated on the held-out split every 10 steps; fp16 must pass, bf16 is a
-# finding. Each run keeps a final checkpoint (about 21 GB at 1.5B: fp32 weights and AdamW): mind the disk.
-COT_PROBLEMS ?= 2000
+# finding. The settings are those of sanity/results/cot_1.5b (one H200: 32 x 8 a step, 13-14 s for the pair). Each run
+# keeps a final checkpoint (about 20 GB at 1.5B: fp32 weights and AdamW): mind the disk.
+COT_PROBLEMS ?= 1536
 COT_STEPS ?= 60
 # extra flags for run_sanity.py (after these, so they override), e.g. COT_ARGS="--seed 2" or a bigger share of memory
 COT_ARGS ?=
@@ -98,11 +99,11 @@ sanity-cot: install
 		--dataset "$$train" --algorithms grpo --precisions fp16 bf16 --must-pass-precisions fp16 --k 16 \
 		--max-problems $(COT_PROBLEMS) --num-steps $(COT_STEPS) --no-stop-early --parallel 2 --no-analysis \
 		--common-args="--sampler vllm --prompt-template chat --max-prompt-len 512 --max-response-len 1024 \
-		--vllm-gpu-memory-utilization 0.12 --vllm-kv-cache-gib 8" \
-		--builder-args="--reward math --precision bf16 --chunk-size 256 --vllm-gpu-memory-utilization 0.85 \
+		--vllm-gpu-memory-utilization 0.2 --vllm-kv-cache-gib 16" \
+		--builder-args="--reward math --precision bf16 --chunk-size 128 --vllm-gpu-memory-utilization 0.85 \
 		--vllm-kv-cache-gib 0" \
-		--script-args="--reward math --lr 1e-6 --num-prompts 64 --group-size 8 --vllm-sleep-level 1 \
-		--eval-dataset $$eval --eval-every 10 --eval-k 4" $(COT_ARGS)
+		--script-args="--reward math --lr 1e-6 --num-prompts 32 --group-size 8 --num-minibatches 4 \
+		--vllm-sleep-level 1 --eval-dataset $$eval --eval-every 10 --eval-max-problems 128 --eval-k 2" $(COT_ARGS)
 
 bench: install
 	$(PY) bench/benchmark.py $(BENCH_ARGS)
