@@ -18,7 +18,7 @@ A checkpoint is written to `<name>.tmp`, fsynced (every file and directory) and 
 complete, so a run killed mid-save, or a machine that loses power, keeps its previous checkpoint; older ones are
 pruned only after that. A rank that fails to write its part (a full disk) makes every rank stop with the same line
 (CheckpointError), none waiting in a collective. Directories are `step_000123`; the newest complete one is what
-`--resume latest` takes.
+`--resume latest` takes. A resume from an older step moves the later checkpoints aside (set_aside_newer).
 """
 import json
 import os
@@ -26,6 +26,7 @@ import random
 import re
 import secrets
 import shutil
+import time
 
 import numpy as np
 import torch
@@ -290,6 +291,41 @@ def list_checkpoints(ckpt_root: str) -> list[str]:
 
 def checkpoint_step(path: str) -> int:
     return int(STEP_DIR.match(os.path.basename(path)).group(1))
+
+
+def set_aside_newer(ckpt_root: str, step: int) -> str | None:
+    """Collective. A run resumed from step `step` while ckpt_root holds checkpoints of later steps (it went back to
+    an older checkpoint) starts a new line of steps: the later checkpoints, of the line it left, are moved into
+    ckpt_root/abandoned_<time>/ (never deleted), so that --resume latest and keep-last see one line only. Returns
+    that directory (None when there was nothing to move); raises ValueError, on every rank, when the move fails."""
+    moved, error = None, None
+    if dist.get_rank() == 0:
+        newer = [c for c in list_checkpoints(ckpt_root) if checkpoint_step(c) > step]
+        if newer:
+            try:
+                moved = os.path.join(ckpt_root, "abandoned_" + time.strftime("%Y%m%d-%H%M%S"))
+                n = 1
+                while os.path.lexists(moved):  # (a second resume within the same second)
+                    n += 1
+                    moved = os.path.join(ckpt_root, "abandoned_" + time.strftime("%Y%m%d-%H%M%S") + f"_{n}")
+                os.makedirs(moved)
+                for c in newer:
+                    os.replace(c, os.path.join(moved, os.path.basename(c)))
+                fsync_dir(moved)
+                fsync_dir(ckpt_root)
+                print(f"[resume] {ckpt_root} held checkpoints after step {step} "
+                      f"({', '.join(str(checkpoint_step(c)) for c in newer)}), of the run's line this resume leaves: "
+                      f"moved into {moved} (not deleted; --resume latest and --keep-last now see this line only)",
+                      flush=True)
+            except OSError as e:
+                error = f"--resume: cannot move the checkpoints after step {step} aside in {ckpt_root}: {e}"
+    if dist.get_world_size() > 1:  # every rank stops with the same line, or none does
+        shared = [error, moved]
+        dist.broadcast_object_list(shared, src=0)
+        error, moved = shared
+    if error:
+        raise ValueError(error)
+    return moved
 
 
 def find_resume_dir(resume: str, ckpt_root: str) -> str:

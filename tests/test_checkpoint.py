@@ -202,3 +202,33 @@ def test_checkpoint_is_fsynced_before_the_rename_and_pruning_comes_after(tmp_pat
     assert rename < parent_synced < pruned
     assert [os.path.basename(c) for c in ck.list_checkpoints(root)] == ["step_000002"]
 
+
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+def test_resume_from_an_older_step_sets_the_later_checkpoints_aside(tmp_path, script):
+    """A run saved steps 5, 10, 15 (--keep-last 3) and is resumed from step 5, to step 8, saving every step. Before,
+    --keep-last sorted by step across both lines (5, 6, 10, 15 -> 6, 10, 15; then 7, 10, 15; then 8, 10, 15) and
+    --resume latest took the abandoned step 15. Now, at resume, 10 and 15 are moved into checkpoints/abandoned_<time>/
+    (not deleted), so keep-last prunes the new line only (6, 7, 8) and latest is step 8. ppo.py: its critic
+    checkpoints too."""
+    from common.checkpoint import find_resume_dir, list_checkpoints
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    small = ["--run-dir", str(tmp_path), "--num-prompts", "4", "--group-size", "2", "--num-minibatches", "1",
+             "--eval-every", "0", "--keep-last", "3"]
+
+    def run(*args):
+        p = subprocess.run([sys.executable, script, *small, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p.stdout
+    run("--num-steps", "15", "--save-every", "5")
+    roots = ["checkpoints"] + (["critic_checkpoints"] if script == "ppo.py" else [])
+    steps = lambda root: [os.path.basename(c) for c in list_checkpoints(str(tmp_path / root))]  # noqa: E731
+    assert [steps(root) for root in roots] == [["step_000005", "step_000010", "step_000015"]] * len(roots)
+    out = run("--num-steps", "8", "--save-every", "1", "--resume", str(tmp_path / "checkpoints" / "step_000005"))
+    for root in roots:
+        kept = ["step_000005"] if root == "critic_checkpoints" else []  # (ppo.py keeps one critic more: keep-last + 1)
+        assert steps(root) == kept + ["step_000006", "step_000007", "step_000008"], (root, steps(root))
+        aside = [d for d in os.listdir(tmp_path / root) if d.startswith("abandoned_")]
+        assert len(aside) == 1 and sorted(os.listdir(tmp_path / root / aside[0])) == ["step_000010", "step_000015"]
+        assert "held checkpoints after step 5 (10, 15)" in out and f"moved into {tmp_path / root / aside[0]}" in out
+    assert find_resume_dir("latest", str(tmp_path / "checkpoints")).endswith("step_000008")
