@@ -35,7 +35,7 @@ import tyro
 from transformers import AutoTokenizer
 
 from common.checkpoint import (check_shared_dir, find_resume_dir, load_training_state, rng_state, save_checkpoint,
-                               set_rng_state)
+                               set_aside_newer, set_rng_state)
 from common.data import encode_problems, load_problems
 from common.dist import cleanup_distributed, phase_memory, print0, reduce_stats, seed_everything, setup_distributed
 from common.evaluate import eval_name, evaluate
@@ -349,6 +349,7 @@ def main(args: Args) -> None:
         if rank_state:
             set_rng_state(rank_state, getattr(sampler, "generator", None))
         print0(f"[resume] from {resume_dir} at step {start_step}")
+        set_aside_newer(ckpt_root, start_step)  # from an older step: the later checkpoints are moved aside
 
     logger = Logger(run_dir, dataclasses.asdict(args), enabled=rank == 0, total_steps=args.num_steps,
                     start_step=start_step, track=args.track, project=args.wandb_project, run_name=args.exp_name)

@@ -48,7 +48,7 @@ import tyro
 from transformers import AutoTokenizer
 
 from common.checkpoint import (check_shared_dir, find_resume_dir, load_training_state, rng_state, save_checkpoint,
-                               set_rng_state)
+                               set_aside_newer, set_rng_state)
 from common.critic import load_critic, value_head_state  # PPO: the value model
 from common.data import encode_problems, load_problems
 from common.dist import (all_reduce, cleanup_distributed, phase_memory, print0, reduce_stats, seed_everything,
@@ -463,6 +463,8 @@ def main(args: Args) -> None:
         critic_state, _ = load_training_state(critic_resume_dir, critic, critic_optimizer)  # PPO
         critic_scaler.load_state_dict(critic_state["scaler"])  # PPO (its value head was loaded by load_critic)
         print0(f"[resume] from {resume_dir} at step {start_step}")
+        set_aside_newer(ckpt_root, start_step)  # from an older step: the later checkpoints are moved aside
+        set_aside_newer(critic_root, start_step)  # PPO
 
     logger = Logger(run_dir, dataclasses.asdict(args), enabled=rank == 0, total_steps=args.num_steps,
                     start_step=start_step, track=args.track, project=args.wandb_project, run_name=args.exp_name)

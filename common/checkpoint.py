@@ -14,8 +14,11 @@ from checkpoints you trust; a checkpoint given as --model is read as safetensors
 Every rank writes into the same directory: the run directory must be on a filesystem every node sees
 (check_shared_dir says so at the start of a run, not at the first save).
 
-A checkpoint is written to `<name>.tmp` and renamed into place only when complete, so a run killed mid-save keeps
-its previous checkpoint. Directories are `step_000123`; the newest complete one is what `--resume latest` takes.
+A checkpoint is written to `<name>.tmp`, fsynced (every file and directory) and renamed into place only when
+complete, so a run killed mid-save, or a machine that loses power, keeps its previous checkpoint; older ones are
+pruned only after that. A rank that fails to write its part (a full disk) makes every rank stop with the same line
+(CheckpointError), none waiting in a collective. Directories are `step_000123`; the newest complete one is what
+`--resume latest` takes. A resume from an older step moves the later checkpoints aside (set_aside_newer).
 """
 import json
 import os
@@ -23,6 +26,7 @@ import random
 import re
 import secrets
 import shutil
+import time
 
 import numpy as np
 import torch
@@ -33,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from common.dist import reduce_stats
 from common.fsdp import full_state_names, iter_full_state
+from common.precision import TrainingFault
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -85,45 +90,127 @@ def rng_from_json(data: dict) -> dict:
     return out
 
 
+class CheckpointError(TrainingFault):
+    """A checkpoint that could not be written (a full disk, a lost mount): the run stops (exit 3), every rank with the
+    same line, and the previous checkpoint stays the newest complete one."""
+
+
 def save_checkpoint(ckpt_root: str, step: int, model: torch.nn.Module, lm: torch.nn.Module, tokenizer,
                     optimizer: torch.optim.Optimizer | None, trainer_state: dict, rank_state: dict,
                     keep_last: int = 0) -> str:
-    """Collective: every rank calls it. `model` is the FSDP root, `lm` the Hugging Face model inside it."""
+    """Collective: every rank calls it. `model` is the FSDP root, `lm` the Hugging Face model inside it.
+
+    A rank that fails to write its part does not leave the others waiting in the next collective until its timeout:
+    after each phase in which ranks write on their own, all of them agree on success (agree_on_failure), and on a
+    failure every rank raises CheckpointError with the first failing rank's line. The step's directory then stays
+    `<name>.tmp`, which is never taken as a checkpoint. Durable: every file and directory of the checkpoint is fsynced
+    before the rename into place, the parent directory after it, and only then are older checkpoints pruned
+    (keep_last: the newest keep_last, counting this one; a checkpoint of a later step is never pruned)."""
     rank = dist.get_rank()
     final = os.path.join(ckpt_root, f"step_{step:06d}")
     tmp = final + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-    os.makedirs(tmp, exist_ok=True)  # by every rank: none writes into a directory it has not seen made
-    with open(os.path.join(tmp, f"rng_rank{rank}.json"), "w") as f:
-        json.dump(rng_to_json(rank_state), f)
-    if optimizer is not None:  # each rank writes its shard of the AdamW state
-        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(tmp, "optimizer"))
-    # the weights, fp32, gathered one tensor at a time and written by rank 0 as they come (a tied lm_head is stored
+    what = f"step {step}: checkpoint {final} not saved"
+    try:  # 1. every rank: the directory (none writes into a directory it has not seen made) and its RNG streams
+        os.makedirs(tmp, exist_ok=True)
+        write_json(os.path.join(tmp, f"rng_rank{rank}.json"), rng_to_json(rank_state))
+        error = None
+    except Exception as e:
+        error = error_line(e)
+    agree_on_failure(error, what)
+    if optimizer is not None:  # 2. each rank writes its shard of the AdamW state (DCP fsyncs its files)
+        error = None
+        try:
+            dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)},
+                     checkpoint_id=os.path.join(tmp, "optimizer"))
+        except CheckpointException as e:  # DCP gathers every rank's failure and raises it on every rank
+            error = first_failure(e)
+        except Exception as e:
+            error = error_line(e)
+        agree_on_failure(error, what)
+    # 3. the weights, fp32, gathered one tensor at a time and written by rank 0 as they come (a tied lm_head is stored
     # once, as the embedding: what from_pretrained and vLLM expect)
     entries = full_state_names(lm)
     tensors = iter_full_state(lm, torch.float32, torch.device("cpu"), aliases=False)
+    error = None
     if rank == 0:
-        write_safetensors(os.path.join(tmp, "model.safetensors"), entries, tensors)
-        lm.config.save_pretrained(tmp)
-        if lm.generation_config is not None:
-            lm.generation_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"step": step, **trainer_state}, f, indent=2)
-    else:
-        for _ in tensors:  # the gathers are collectives
-            pass
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        if keep_last > 0:
-            for old in list_checkpoints(ckpt_root)[:-keep_last]:
+        try:
+            write_safetensors(os.path.join(tmp, "model.safetensors"), entries, tensors)
+            lm.config.save_pretrained(tmp)
+            if lm.generation_config is not None:
+                lm.generation_config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            write_json(os.path.join(tmp, "trainer_state.json"), {"step": step, **trainer_state}, indent=2)
+            fsync_tree(tmp)  # every rank's files and the directories, before the rename makes them a checkpoint
+        except Exception as e:
+            error = error_line(e)
+    for _ in tensors:  # the gathers are collectives: every rank takes part in all of them, rank 0 after a failure too
+        pass
+    agree_on_failure(error, what)
+    error = None
+    if rank == 0:  # 4. into place, durably, then prune
+        try:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            fsync_dir(ckpt_root)  # the rename itself survives a crash
+        except Exception as e:
+            error = error_line(e)
+        if error is None and keep_last > 0:
+            older = [c for c in list_checkpoints(ckpt_root) if checkpoint_step(c) < step]
+            for old in older[:max(len(older) - (keep_last - 1), 0)]:
                 shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    agree_on_failure(error, what)
     return final
+
+
+def error_line(e: BaseException, rank: int | None = None) -> str:
+    """`rank r: Type: first line of the message` (r: this rank unless given)."""
+    text = str(e).strip().splitlines()
+    rank = dist.get_rank() if rank is None else rank
+    return f"rank {rank}: {type(e).__name__}: {text[0] if text else ''}"
+
+
+def agree_on_failure(error: str | None, what: str) -> None:
+    """Collective: every rank gives its error line of a phase (None: it succeeded). When any rank failed, every rank
+    raises CheckpointError with the same line (the first failing rank's, and how many others failed), so that no rank
+    goes on to a collective that a failed rank will never join."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [e for e in errors if e is not None]
+    if failed:
+        others = f" (and {len(failed) - 1} other rank{'s' if len(failed) > 2 else ''})" if len(failed) > 1 else ""
+        raise CheckpointError(f"{what}: {failed[0]}{others}")
+
+
+def write_json(path: str, obj, indent: int | None = None) -> None:
+    """A JSON file, fsynced: on disk when this returns."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=indent)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory: its entries (files created, renamed or removed in it) survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    """fsync every file and directory under path (path included), each directory after its contents."""
+    for dirpath, _dirnames, filenames in os.walk(path, topdown=False):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
 
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -202,6 +289,45 @@ def list_checkpoints(ckpt_root: str) -> list[str]:
     return [os.path.join(ckpt_root, d) for _, d in steps]
 
 
+def checkpoint_step(path: str) -> int:
+    return int(STEP_DIR.match(os.path.basename(path)).group(1))
+
+
+def set_aside_newer(ckpt_root: str, step: int) -> str | None:
+    """Collective. A run resumed from step `step` while ckpt_root holds checkpoints of later steps (it went back to
+    an older checkpoint) starts a new line of steps: the later checkpoints, of the line it left, are moved into
+    ckpt_root/abandoned_<time>/ (never deleted), so that --resume latest and keep-last see one line only. Returns
+    that directory (None when there was nothing to move); raises ValueError, on every rank, when the move fails."""
+    moved, error = None, None
+    if dist.get_rank() == 0:
+        newer = [c for c in list_checkpoints(ckpt_root) if checkpoint_step(c) > step]
+        if newer:
+            try:
+                moved = os.path.join(ckpt_root, "abandoned_" + time.strftime("%Y%m%d-%H%M%S"))
+                n = 1
+                while os.path.lexists(moved):  # (a second resume within the same second)
+                    n += 1
+                    moved = os.path.join(ckpt_root, "abandoned_" + time.strftime("%Y%m%d-%H%M%S") + f"_{n}")
+                os.makedirs(moved)
+                for c in newer:
+                    os.replace(c, os.path.join(moved, os.path.basename(c)))
+                fsync_dir(moved)
+                fsync_dir(ckpt_root)
+                print(f"[resume] {ckpt_root} held checkpoints after step {step} "
+                      f"({', '.join(str(checkpoint_step(c)) for c in newer)}), of the run's line this resume leaves: "
+                      f"moved into {moved} (not deleted; --resume latest and --keep-last now see this line only)",
+                      flush=True)
+            except OSError as e:
+                error = f"--resume: cannot move the checkpoints after step {step} aside in {ckpt_root}: {e}"
+    if dist.get_world_size() > 1:  # every rank stops with the same line, or none does
+        shared = [error, moved]
+        dist.broadcast_object_list(shared, src=0)
+        error, moved = shared
+    if error:
+        raise ValueError(error)
+    return moved
+
+
 def find_resume_dir(resume: str, ckpt_root: str) -> str:
     path = resume
     if resume == "latest":
@@ -217,8 +343,7 @@ def find_resume_dir(resume: str, ckpt_root: str) -> str:
 def first_failure(e: CheckpointException) -> str:
     """The first line of the first failing rank's error, out of DCP's exception (which gathers every rank's)."""
     for rank, (err, _traceback) in sorted(e.failures.items()):
-        text = str(err).strip().splitlines()
-        return f"rank {rank}: {type(err).__name__}: {text[0] if text else ''}"
+        return error_line(err, rank)
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
 

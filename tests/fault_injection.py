@@ -5,13 +5,16 @@
 MODE nan: every loss is NaN (a broken model or loss; in fp16, an overflow every step);
      reward: every other reward check raises; reward-all: every reward check raises (a broken reward function);
      mismatch: the sampler's log-probs are all lowered by 1 (a mismatch that jumps); nan-logprob: the sampler's
-     log-probs of one response are NaN. Exits as the script's own __main__ would: 3 on a TrainingFault."""
+     log-probs of one response are NaN; save-enospc: rank 0's disk is full while it writes model.safetensors of the
+     checkpoint of step FROM_STEP or later. Exits as the script's own __main__ would: 3 on a TrainingFault."""
+import errno
 import importlib
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import common.checkpoint
 import common.logger
 import common.precision
 import common.rewards
@@ -61,6 +64,17 @@ elif mode == "mismatch":
             out.logprobs = [lp - 1.0 for lp in out.logprobs]
         return out
     common.hf_sampler.HFSampler.generate = shifted
+elif mode == "save-enospc":
+    write_safetensors = common.checkpoint.write_safetensors
+    def full_disk(path, entries, tensors, *a, **k):  # noqa: E306
+        step = int(os.path.basename(os.path.dirname(path)).split("_")[1].split(".")[0])  # step_000123.tmp
+        if step < from_step or common.checkpoint.dist.get_rank() != 0:
+            return write_safetensors(path, entries, tensors, *a, **k)
+        def first_then_full():  # the first tensor fits, then the disk is full
+            yield next(tensors)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return write_safetensors(path, entries, first_then_full(), *a, **k)
+    common.checkpoint.write_safetensors = full_disk
 else:
     raise SystemExit(f"unknown mode {mode!r}")
 

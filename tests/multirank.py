@@ -97,6 +97,72 @@ def check_resume(path, device, cpu_offload=False):
     return optimizer_summary(model, optimizer)
 
 
+def check_save_faults(path, device):
+    """Saves in which one rank's write fails with ENOSPC (a full disk), one after the other in one process group:
+    rank 0 writing model.safetensors, rank 1 its RNG file, rank 1 its DCP shard, rank 0 the rename into place. Each
+    save must raise the same CheckpointError on every rank (no rank left waiting in a collective: this check would
+    hang, or a rank would die with another error, and torchrun fail), and the group must still work: a last save
+    succeeds."""
+    import contextlib
+    import errno
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+    from transformers import AutoTokenizer
+    import common.checkpoint as ck
+    model = load_policy(path, torch.float32, device, gradient_checkpointing=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # (an AdamW state to save)
+    tokenizer, root, rank = AutoTokenizer.from_pretrained(path), os.path.join(path, "checkpoints"), dist.get_rank()
+
+    def full(name):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), name)
+
+    write_safetensors, write_json, replace = ck.write_safetensors, ck.write_json, os.replace
+    create_stream = dcp_fs.FileSystem.create_stream
+
+    def safetensors_fills_the_disk(file, entries, tensors, *a, **k):
+        def first_then_full():  # the first tensor fits, then the disk is full
+            yield next(tensors)
+            raise full(file)
+        return write_safetensors(file, entries, first_then_full(), *a, **k)
+
+    def rng_fills_the_disk(file, obj, *a, **k):
+        if "rng_rank" in file:
+            raise full(file)
+        return write_json(file, obj, *a, **k)
+
+    @contextlib.contextmanager
+    def shard_fills_the_disk(self, file, mode):
+        if str(file).endswith(".distcp"):
+            raise full(str(file))
+        with create_stream(self, file, mode) as stream:
+            yield stream
+
+    def rename_fails(src, dst):
+        if str(src).endswith(".tmp"):  # the checkpoint's rename into place, not another file's
+            raise full(dst)
+        return replace(src, dst)
+
+    faults = [(0, ck, "write_safetensors", safetensors_fills_the_disk), (1, ck, "write_json", rng_fills_the_disk),
+              (1, dcp_fs.FileSystem, "create_stream", shard_fills_the_disk), (0, os, "replace", rename_fails)]
+    errors = []
+    for step, (faulty_rank, where, name, fault) in enumerate(faults, start=1):
+        original = getattr(where, name)
+        if rank == faulty_rank:
+            setattr(where, name, fault)
+        try:
+            ck.save_checkpoint(root, step, model, model.lm, tokenizer, optimizer, {"scaler": {}}, ck.rng_state())
+            errors.append(None)
+        except ck.CheckpointError as e:
+            errors.append(str(e))
+        finally:
+            setattr(where, name, original)
+    ck.save_checkpoint(root, len(faults) + 1, model, model.lm, tokenizer, optimizer, {"scaler": {}}, ck.rng_state())
+    return {"errors": errors, "checkpoints": [os.path.basename(c) for c in ck.list_checkpoints(root)],
+            "entries": sorted(os.listdir(root))}
+
+
 def check_save_offload(path, device):
     return check_save(path, device, cpu_offload=True)
 

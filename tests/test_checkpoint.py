@@ -134,3 +134,101 @@ def test_a_checkpoint_as_model_is_read_as_safetensors_and_json_only(tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert not marker.exists()
+
+
+def test_a_write_that_fails_on_one_rank_stops_every_rank_with_the_same_line(tmp_path):
+    """2 ranks; in turn rank 0's model.safetensors, rank 1's RNG file, rank 1's DCP shard and rank 0's rename fail
+    with ENOSPC. Before, the failing rank raised alone and the others waited in the next collective (the all-gather
+    of the weights, a barrier) until the timeout. Now every rank raises the same CheckpointError naming the failing
+    rank, the failed steps are never complete checkpoints, and the group goes on working (the last save succeeds)."""
+    path = make_tiny_model_dir(str(tmp_path / "m"))
+    results = torchrun(2, "save_faults", path, str(tmp_path / "out"))
+    assert results[0] == results[1]  # the same lines on both ranks
+    errors = results[0]["errors"]
+    for step, (rank, file) in enumerate([(0, "model.safetensors"), (1, "rng_rank1.json"), (1, ".distcp"),
+                                         (0, "step_000004")], start=1):
+        assert errors[step - 1].startswith(f"step {step}: checkpoint "), errors
+        assert f"rank {rank}: OSError: [Errno 28] No space left on device" in errors[step - 1], errors
+        assert file in errors[step - 1] and "\n" not in errors[step - 1], errors
+    assert results[0]["checkpoints"] == ["step_000005"]  # the failed saves are no checkpoints: latest skips them
+    assert "step_000004" not in results[0]["entries"]
+
+
+def test_checkpoint_is_fsynced_before_the_rename_and_pruning_comes_after(tmp_path, tiny_model_dir, process_group,
+                                                                          monkeypatch):
+    """Crash durability: before, nothing but DCP's own files was fsynced, so after a power loss the renamed (hence
+    complete-looking) checkpoint could hold a truncated model.safetensors while --keep-last had already deleted the
+    previous one. Now every file and directory of the checkpoint is fsynced before os.replace puts it in place, the
+    parent directory after it (the rename itself), and only then is the older checkpoint pruned. os.fsync, os.replace
+    and shutil.rmtree are recorded in order; a file is named by its inode, which the rename keeps."""
+    from transformers import AutoTokenizer
+    import common.checkpoint as ck
+    from common.fsdp import load_policy
+    _, _, device = process_group
+    model = load_policy(tiny_model_dir, torch.float32, device, gradient_checkpointing=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    tokenizer, root = AutoTokenizer.from_pretrained(tiny_model_dir), str(tmp_path / "checkpoints")
+    ck.save_checkpoint(root, 1, model, model.lm, tokenizer, optimizer, {}, ck.rng_state())
+    events, fsync, replace, rmtree = [], os.fsync, os.replace, shutil.rmtree
+    inode = lambda st: (st.st_dev, st.st_ino)  # noqa: E731
+
+    def record_fsync(fd):
+        events.append(("fsync", inode(os.fstat(fd))))
+        fsync(fd)
+
+    def record_replace(src, dst):
+        replace(src, dst)
+        events.append(("replace", str(dst)))
+
+    def record_rmtree(path, *a, **k):
+        events.append(("rmtree", str(path)))
+        rmtree(path, *a, **k)
+    monkeypatch.setattr(os, "fsync", record_fsync)
+    monkeypatch.setattr(os, "replace", record_replace)
+    monkeypatch.setattr(shutil, "rmtree", record_rmtree)
+    final = ck.save_checkpoint(root, 2, model, model.lm, tokenizer, optimizer, {}, ck.rng_state(), keep_last=1)
+    monkeypatch.undo()
+    rename = events.index(("replace", final))
+    synced_before = {e[1] for e in events[:rename] if e[0] == "fsync"}
+    written = [os.path.join(d, n) for d, dirs, files in os.walk(final) for n in files + dirs] + [final]
+    assert len(written) > 8  # model.safetensors, configs, tokenizer files, trainer_state, rng, optimizer/, shards
+    for path in written:
+        assert inode(os.stat(path)) in synced_before, f"{os.path.relpath(path, root)} not fsynced before the rename"
+    parent_synced = events.index(("fsync", inode(os.stat(root))), rename)  # (ValueError: never after the rename)
+    pruned = events.index(("rmtree", os.path.join(root, "step_000001")))
+    assert rename < parent_synced < pruned
+    assert [os.path.basename(c) for c in ck.list_checkpoints(root)] == ["step_000002"]
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+def test_resume_from_an_older_step_sets_the_later_checkpoints_aside(tmp_path, script):
+    """A run saved steps 5, 10, 15 (--keep-last 3) and is resumed from step 5, to step 8, saving every step. Before,
+    --keep-last sorted by step across both lines (5, 6, 10, 15 -> 6, 10, 15; then 7, 10, 15; then 8, 10, 15) and
+    --resume latest took the abandoned step 15. Now, at resume, 10 and 15 are moved into checkpoints/abandoned_<time>/
+    (not deleted), so keep-last prunes the new line only (6, 7, 8) and latest is step 8. ppo.py: its critic
+    checkpoints too."""
+    from common.checkpoint import find_resume_dir, list_checkpoints
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    small = ["--run-dir", str(tmp_path), "--num-prompts", "4", "--group-size", "2", "--num-minibatches", "1",
+             "--eval-every", "0", "--keep-last", "3"]
+
+    def run(*args):
+        p = subprocess.run([sys.executable, script, *small, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p.stdout
+    run("--num-steps", "15", "--save-every", "5")
+    roots = ["checkpoints"] + (["critic_checkpoints"] if script == "ppo.py" else [])
+    steps = lambda root: [os.path.basename(c) for c in list_checkpoints(str(tmp_path / root))]  # noqa: E731
+    assert [steps(root) for root in roots] == [["step_000005", "step_000010", "step_000015"]] * len(roots)
+    out = run("--num-steps", "8", "--save-every", "1", "--resume", str(tmp_path / "checkpoints" / "step_000005"))
+    for root in roots:
+        kept = ["step_000005"] if root == "critic_checkpoints" else []  # (ppo.py keeps one critic more: keep-last + 1)
+        assert steps(root) == kept + ["step_000006", "step_000007", "step_000008"], (root, steps(root))
+        aside = [d for d in os.listdir(tmp_path / root) if d.startswith("abandoned_")]
+        assert len(aside) == 1 and sorted(os.listdir(tmp_path / root / aside[0])) == ["step_000010", "step_000015"]
+        assert "held checkpoints after step 5 (10, 15)" in out and f"moved into {tmp_path / root / aside[0]}" in out
+    assert find_resume_dir("latest", str(tmp_path / "checkpoints")).endswith("step_000008")

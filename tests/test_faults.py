@@ -4,6 +4,7 @@ rows of the lost steps. Runs on CPU; the scripts run in subprocesses with faults
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -260,6 +261,34 @@ def test_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, tiny_
     assert state["step"] == 1
     start, saved = weights(tiny_model_dir), weights(latest)
     assert all(torch.equal(start[k], saved[k]) for k in saved)
+
+
+def test_a_full_disk_on_rank_0_stops_both_ranks_with_the_same_line(tmp_path):
+    """2 ranks (gloo), rank 0's disk full while it writes model.safetensors at step 2's checkpoint. Before, rank 0
+    died alone with a traceback while rank 1 waited in the all-gather of the next tensor. Now both exit 3 with the
+    same one-line error naming rank 0 and the file, and step 1's checkpoint stays the newest complete one. The ranks
+    are started directly (not by torchrun, whose agent stops the other workers when one exits) so each one's exit code
+    and output are its own; the timeout only guards against a hang."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "tests/fault_injection.py", "grpo.py", "save-enospc", "2", "--run-dir",
+                               str(tmp_path), *SMALL, "--num-steps", "3"], cwd=ROOT,
+                              env={**ENV, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    lines = []
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 3, err[-3000:]
+        lines.append([line for line in err.splitlines() if line.startswith("grpo.py: error:")])
+    assert lines[0] == lines[1] and len(lines[0]) == 1, lines
+    assert "step 2: checkpoint" in lines[0][0] and "rank 0: OSError: [Errno 28] No space left on device" in lines[0][0]
+    assert "model.safetensors" in lines[0][0] and "Traceback" not in outs[0][1] + outs[1][1]
+    ckpts = os.path.join(tmp_path, "checkpoints")
+    assert [os.path.basename(c) for c in list_checkpoints(ckpts)] == ["step_000001"]
+    assert find_resume_dir("latest", ckpts).endswith("step_000001")
+    assert not os.path.exists(os.path.join(ckpts, "step_000002"))  # only step_000002.tmp, never taken as complete
 
 
 def test_resumed_log_drops_rows_after_the_checkpoint(tmp_path, capsys):
