@@ -44,6 +44,7 @@ from transformers import AutoTokenizer
 
 from common.checkpoint import (check_shared_dir, find_resume_dir, load_training_state, rng_state, save_checkpoint,
                                set_rng_state)
+from common.config import config_changes
 from common.data import encode_problems, load_problems
 from common.dist import cleanup_distributed, phase_memory, print0, reduce_stats, seed_everything, setup_distributed
 from common.evaluate import eval_name, evaluate
@@ -60,8 +61,8 @@ from common.sampler import make_sampler, resolve_sampler
 
 @dataclass
 class Args:
-    """Defaults are the study's for real runs (--model given); without --model the built-in task's small
-    defaults apply (BUILTIN below): `python grpo.py --help` shows those, `python grpo.py --model X --help` these."""
+    """The study's defaults, for a real model (--model). Without --model the built-in task's preset BUILTIN (below)
+    replaces some of them, under the command line; a run prints at start every value that differs from these."""
     # --- run
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the run (the run directory and wandb run are named after it)"""
@@ -266,10 +267,11 @@ def policy_loss(logp_BT, old_logp_BT, mu_logp_BT, adv_B, mask_BT, is_mode: str, 
 # ----------------------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> Args:
-    argv = sys.argv[1:] if argv is None else argv
-    builtin = not any(a == "--model" or a.startswith("--model=") for a in argv)
-    default = dataclasses.replace(Args(), **BUILTIN) if builtin else Args()
-    return tyro.cli(Args, default=default, args=argv)
+    """The command line over Args' defaults; when it names no --model, over the built-in task's preset BUILTIN."""
+    args = tyro.cli(Args, args=argv)
+    if args.model is None:
+        args = tyro.cli(Args, args=argv, default=dataclasses.replace(Args(), **BUILTIN))
+    return args
 
 
 def validate(args: Args, world_size: int) -> None:
@@ -328,6 +330,8 @@ current_step = 0  # the step in progress, which __main__'s message on Ctrl-C nam
 def main(args: Args) -> None:
     global current_step
     rank, world_size, device = setup_distributed(cpu_offload=args.cpu_offload)  # gloo only for offload
+    print0(config_changes(args, Args(), BUILTIN if args.model is None else {},
+                          f"BUILTIN in {os.path.basename(__file__)} (no --model)"))
     validate(args, world_size)
     train_prec, rollout_prec = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
     seed_everything(args.seed)
