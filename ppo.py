@@ -413,7 +413,7 @@ def main(args: Args) -> None:
     # --- data
     model_path, dataset, eval_paths = args.model, args.dataset, list(args.eval_dataset)
     if model_path is None or dataset is None:
-        from common.builtin_task import ensure_builtin_task
+        from tasks.builtin import ensure_builtin_task
         task = ensure_builtin_task()  # built once, cached; a file lock keeps ranks from building it twice
         model_path = model_path or task["model"]
         if dataset is None:

@@ -259,7 +259,7 @@ def main(args: Args) -> dict:
     _, _, device = setup_distributed()
     model_path, dataset = args.model, args.dataset
     if model_path is None or dataset is None:
-        from common.builtin_task import ensure_builtin_task
+        from tasks.builtin import ensure_builtin_task
         task = ensure_builtin_task()
         model_path, dataset = model_path or task["model"], dataset or task["train"]
     os.makedirs(args.out_dir, exist_ok=True)

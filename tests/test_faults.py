@@ -39,7 +39,7 @@ def weights(path):
 
 
 def builtin_weights():
-    from common.builtin_task import ensure_builtin_task
+    from tasks.builtin import ensure_builtin_task
     return weights(ensure_builtin_task()["model"])
 
 
