@@ -263,3 +263,14 @@ def check_reward(kind: str) -> None:
 def _plugin_verdict(spec: str, response: str, answer: str) -> float:
     """fn(response, answer) of the plug-in, called in a worker with PLUGIN_TIMEOUT_S per call."""
     return reward_pool.call_plugin(spec, response, answer, PLUGIN_TIMEOUT_S)
+
+
+def check_step_rewards(step: int, failures: int, checked: int, device) -> None:
+    """Collective. Raise TrainingFault when every reward check of the step, over all ranks, failed: a broken reward
+    function, and nothing to learn from zeros."""
+    from common.dist import reduce_stats
+    from common.precision import TrainingFault
+    n = reduce_stats({"failed": failures, "checked": checked}, "sum", device)
+    if n["checked"] and n["failed"] == n["checked"]:
+        raise TrainingFault(f"step {step}: every reward check of the step failed ({int(n['failed'])} responses; the "
+                            "first error of each kind is printed above); stopped before training on it")

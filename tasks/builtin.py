@@ -213,3 +213,15 @@ def ensure_builtin_task(cache: str | None = None) -> dict:
     build_once(out_dir, build)
     return {"model": os.path.join(out_dir, "model"), "train": os.path.join(out_dir, "train.jsonl"),
             "eval": os.path.join(out_dir, "eval.jsonl")}
+
+
+def with_builtin_task(model: str | None, dataset: str | None, eval_paths: list[str]) -> tuple[str, str, list[str]]:
+    """(model, training file, evaluation files) with the built-in task's (built on first use; a file lock keeps ranks
+    from building it twice) in place of what is not given: its model without a model, its training file without a
+    dataset, and then its evaluation file unless evaluation files are given."""
+    if model is None or dataset is None:
+        task = ensure_builtin_task()
+        model = model or task["model"]
+        if dataset is None:
+            dataset, eval_paths = task["train"], eval_paths or [task["eval"]]
+    return model, dataset, eval_paths
