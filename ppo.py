@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that spin while waiting made
-# CPU runs on 2 shared cores 3x slower (README, "On a CPU")
+# CPU runs on 2 shared cores 3x slower (docs/results.md, "On a CPU")
 import torch
 import tyro
 from transformers import AutoTokenizer
@@ -84,7 +84,7 @@ class Args:
     reward: str = "math"
     """'math': math-verify on the last \\boxed{}; 'exact': the stripped response equals the answer; 'number': its
     final number (after '####', else after 'the answer is', else the last) equals the answer's; 'module:function':
-    your fn(response, answer) -> float, e.g. my_rewards:score, run in a time-limited worker (README: Rewards)"""
+    your fn(response, answer) -> float, e.g. my_rewards:score, run in a time-limited worker (README, Rewards)"""
     max_prompt_len: int = 1024
     """prompts longer than this (tokens) are reported and skipped, never cut"""
     max_response_len: int = 8192

@@ -120,7 +120,7 @@ def mean_finite(values: list[float]) -> float:
 
 def step_metrics(g: dict, g_max: dict, group_size: int, num_minibatches: int, grad_norms: list[float], scaler,
                  lr: float, times: dict) -> dict:
-    """The train/, optim/, time/ and perf/ keys (README) from the step's statistics reduced over all ranks (g: sums
+    """The train/, optim/, time/ and perf/ keys (docs/metrics.md) from the step's statistics reduced over all ranks (g: sums
     with rollout_sums' keys, mismatch_stats' n_seqs / n_tokens and the summed loss; g_max: maxes), the policy's grad
     norms (one per optimizer step) and loss scaler, and the phases' seconds (sample, recompute, train, sync)."""
     n_seqs, n_groups, n_tok = g["n_seqs"], g["n_seqs"] / group_size, max(g["n_tokens"], 1.0)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that spin while waiting made
-# CPU runs on 2 shared cores 3x slower (README, "On a CPU")
+# CPU runs on 2 shared cores 3x slower (docs/results.md, "On a CPU")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python sanity/build_perfectible.py` from anywhere
     sys.path.insert(0, ROOT)
