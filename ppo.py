@@ -1,13 +1,10 @@
 """PPO with a critic (per-token GAE advantages), with optional rollout corrections for the training-inference
 mismatch (Token-TIS, Seq-MIS, ... as grpo.py).
 
-What it is: PPO as the FP16 study runs it ("Defeating the Training-Inference Mismatch via FP16", arXiv 2510.26788;
-docs/algorithms.md): a critic initialized from the policy's weights with a scalar value head, per-token GAE advantages
-(gamma = lambda = 1 by default) whitened over the rollout batch's response tokens, grpo.py's clipped surrogate with
-clip-higher (eps_low 0.2, eps_high 0.28) and constant normalizer on those advantages, a value loss clipped at 0.2,
-no KL term, no entropy bonus. The sampler's log-probs (mu) enter only through the rollout corrections, as in
-grpo.py (no opsm: it needs one advantage per sequence).
-`diff grpo.py ppo.py` shows what PPO changes; new lines are marked `# PPO:`.
+What it is: PPO as the FP16 study runs it (arXiv 2510.26788; docs/algorithms.md): a critic initialized from the
+policy's weights with a scalar value head, per-token GAE advantages (gamma = lambda = 1) whitened over the rollout
+batch's response tokens, grpo.py's clipped surrogate and normalizer on them, a value loss clipped at 0.2, no KL, no
+entropy bonus; the rollout corrections as grpo.py's (no opsm). New lines are marked `# PPO:`.
 
     python ppo.py                                    # the built-in task: a tiny model learns addition, no downloads
     python ppo.py --precision bf16                   # the same in BF16, to see the mismatch grow
@@ -18,19 +15,8 @@ One step: sample a rollout batch (prompts x G responses) -> rewards -> recompute
 values V_old with the critic -> GAE advantages and returns -> num_minibatches optimizer steps of both models, each
 accumulating micro-batches sized by a token budget -> push the new weights to the sampler -> log.
 
-Logged besides grpo.py's keys (train/loss is the policy loss; optim/* are the policy's optimizer):
-    critic/value_loss           the value loss of a mini-batch (its tokens on all ranks), mean over the mini-batches
-    critic/explained_variance   1 - Var(R - V_old) / Var(R) over the rollout batch's response tokens, all ranks
-    critic/value_mean           mean V_old (the critic before this step's update) over the response tokens
-    critic/return_mean          mean return R = A + V_old over the response tokens
-    critic/value_clip_frac      fraction of tokens where the clipped branch of the value loss is the larger one
-    critic/grad_norm            the critic's gradient norm before clipping, mean over the step's optimizer steps
-    critic/loss_scale           the critic's FP16 loss scale (1 otherwise)
-    critic/skipped_steps        the critic's optimizer steps skipped on inf/nan so far
-    critic/adv_std_raw          std of the GAE advantages before whitening (how much per-token signal there is)
-Checkpoints: <run_dir>/checkpoints/ as grpo.py (the policy, a Hugging Face directory), and
-<run_dir>/critic_checkpoints/step_NNNNNN/ for the critic (its transformer as a model directory, optimizer.pt, its loss
-scaler and value head in trainer_state.json); --resume restores both.
+Its critic/ metric keys: docs/metrics.md. The critic's checkpoints go to <run_dir>/critic_checkpoints/, beside the
+policy's (docs/checkpoints.md); --resume restores both.
 """
 import dataclasses
 import math
@@ -38,39 +24,41 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that spin while waiting made
-# CPU runs on 2 shared cores 3x slower (README, "On a CPU")
-import numpy as np
+# CPU runs on 2 shared cores 3x slower (docs/results.md, "On a CPU")
 import torch
 import tyro
 from transformers import AutoTokenizer
 
+from common.batches import batch_problems, micro_batches
 from common.checkpoint import (check_shared_dir, find_resume_dir, load_training_state, rng_state, save_checkpoint,
                                set_aside_newer, set_rng_state)
 from common.critic import load_critic, value_head_state  # PPO: the value model
+from common.config import config_changes, flat_fields
 from common.data import encode_problems, load_problems
-from common.dist import (all_reduce, cleanup_distributed, phase_memory, print0, reduce_stats, seed_everything,
-                         setup_distributed)
+from common.dist import cleanup_distributed, phase_memory, print0, reduce_stats, seed_everything, setup_distributed
 from common.evaluate import eval_name, evaluate
 from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
-from common.logprobs import collate, pad_float, split_microbatches, to_device
-from common.metrics import MismatchMonitor, first_minibatch_mismatch, mismatch_metrics, mismatch_stats
+from common.logprobs import collate, pad_float, to_device
+from common.metrics import (MismatchMonitor, first_minibatch_mismatch, mismatch_metrics, mismatch_stats,
+                            add_sums, mean_finite, rollout_sums, step_metrics)
 from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
                               resolve_precisions)
-from common.rewards import check_reward, score_rollout
+from common.rewards import check_reward, check_step_rewards, score_rollout
 from common.rundir import claim_run_dir
 from common.sampler import make_sampler, resolve_sampler
-from corrections import (check_correction_flags, correction_metrics, importance_weights, reject_rules, rejection_mask,
-                         weight_stats)
+from corrections import (Corrections, check_corrections, correction_metrics, correction_rules, correction_weights,
+                         rejection_mask)
+from tasks.builtin import with_builtin_task
 
 
 @dataclass
 class Args:
-    """Defaults are the study's for real runs (--model given); without --model the built-in task's small
-    defaults apply (BUILTIN below): `python ppo.py --help` shows those, `python ppo.py --model X --help` these."""
+    """The study's defaults, for a real model (--model). Without --model the built-in task's preset BUILTIN (below)
+    replaces some of them, under the command line; a run prints at start every value that differs from these."""
     # --- run
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the run (the run directory and wandb run are named after it)"""
@@ -96,7 +84,7 @@ class Args:
     reward: str = "math"
     """'math': math-verify on the last \\boxed{}; 'exact': the stripped response equals the answer; 'number': its
     final number (after '####', else after 'the answer is', else the last) equals the answer's; 'module:function':
-    your fn(response, answer) -> float, e.g. my_rewards:score, run in a time-limited worker (README: Rewards)"""
+    your fn(response, answer) -> float, e.g. my_rewards:score, run in a time-limited worker (README, Rewards)"""
     max_prompt_len: int = 1024
     """prompts longer than this (tokens) are reported and skipped, never cut"""
     max_response_len: int = 8192
@@ -155,26 +143,10 @@ class Args:
     """PPO clip: lower bound 1 - eps_low on the ratio"""
     eps_high: float = 0.28
     """PPO clip-higher (DAPO): upper bound 1 + eps_high on the ratio"""
-    is_correction: Literal["none", "token-tis", "seq-tis", "seq-mis", "icepop"] = "none"
-    """rollout-correction weight on each token's loss, rho_t = pi_old/mu (corrections.py): 'token-tis' min(rho_t, C);
-    'seq-tis' min(rho, C) and 'seq-mis' rho 1{rho <= C}, rho = prod_t rho_t over the sequence; 'icepop' rho_t
-    where it lies in --icepop-bounds, else 0 (arXiv 2510.18855)"""
     is_threshold: float = 3.0
     """C of the corrections (the study's text: 3; its code used 2 for Token-TIS and 10 for Seq-MIS; verl: 2)"""
-    icepop_bounds: tuple[float, float] = (0.5, 5.0)
-    """[alpha, beta] of --is-correction icepop (arXiv 2510.18855: 0.5, 5)"""
-    is_reject: tuple[Literal["token-mis", "geo-mis", "k3-mis"], ...] = ()  # PPO: no opsm (one advantage per sequence)
-    """rejection rules, any number, each zeroing the loss of what it rejects, on top of the weight: 'token-mis' a
-    token whose rho_t leaves --token-mis-bounds; 'geo-mis' a sequence whose exp(mean_t log rho_t) leaves
-    --geo-mis-bounds; 'k3-mis' a sequence whose mean_t (rho_t - log rho_t - 1) exceeds --k3-mis-threshold"""
-    is_veto: float = 0.0
-    """reject a sequence when any of its rho_t is below this (verl's veto; its presets: 1e-4); 0: off"""
-    token_mis_bounds: tuple[float, float] = (0.5, 2.0)
-    """[lo, hi] of --is-reject token-mis (verl: [1/C, C], C = 2)"""
-    geo_mis_bounds: tuple[float, float] = (0.999, 1.001)
-    """[lo, hi] of --is-reject geo-mis (verl's geo-RS presets)"""
-    k3_mis_threshold: float = 0.01
-    """threshold of --is-reject k3-mis (verl's k3-RS presets)"""
+    corrections: Annotated[Corrections, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=Corrections)
+    """the rollout corrections: --is-correction, --is-reject, --is-veto and their bounds (corrections.py)"""
     old_logp: Literal["recompute", "mu"] = "recompute"
     """pi_old of the PPO ratio: 'recompute' (a forward of the trainer over the batch before training) or 'mu' (the
     sampler's log-probs, verl's bypass mode: no recompute, the ratio is pi_theta/mu, --is-correction is refused,
@@ -198,9 +170,8 @@ class Args:
     ranks) and time: every forward and backward copies each layer's weights to the GPU and its gradients back, and
     AdamW runs on the CPU"""
     compile: bool = True
-    """torch.compile each decoder layer of the trainer on a GPU (fuses its many small kernels; the first step pays
-    the compilation, about 16 s for SmolLM2-135M on one H100, and the first change of shapes a little); no effect
-    on a CPU"""
+    """torch.compile each decoder layer of the trainer on a GPU (fuses its many small kernels; the first step and the
+    first change of shapes pay the compilation); no effect on a CPU"""
     logprob_chunk: int = 2048
     """tokens per chunk of the fp32 log-prob head (bounds its memory at chunk x vocab floats)"""
     # --- faults
@@ -236,10 +207,7 @@ class Args:
 
 # The built-in task's defaults (a 0.4M-parameter model learning addition on a CPU in a minute or two). Evaluation
 # samples as training does (temperature 1), so that eval accuracy shows what training changed.
-# PPO: 128 prompts x 4 responses (grpo.py: 64 x 8, the same 512 responses): PPO needs no groups, and more distinct
-# prompts teach the critic more (one seed each, eval at step 100: 0.84 at 64 x 8, 0.89 at 128 x 4). critic_lr 1e-3:
-# 3e-3 (at 64 x 8) left the critic's explained variance near 0, 1e-4 needed 20+ steps to learn the mean reward,
-# 3e-4 and 1e-3 did about equally well.
+# PPO: 128 prompts x 4 responses (the same 512 responses as grpo.py's 64 x 8) and critic_lr 1e-3: docs/results.md
 BUILTIN = dict(num_steps=100, num_prompts=128, group_size=4, num_minibatches=2, micro_batch_tokens=4096, lr=5e-4,
                critic_lr=1e-3,  # PPO
                max_prompt_len=16, max_response_len=8, prompt_template="{problem}", reward="exact",
@@ -274,11 +242,11 @@ def whiten_advantages(adv_BT: torch.Tensor, mask_BT: torch.Tensor, device=None) 
     batch, all ranks (one all-reduce), as verl's masked_whiten (verl/utils/torch_functional.py). 0 off-mask."""
     m = mask_BT.double()
     a = adv_BT.double() * m
-    n, s1, s2 = all_reduce(torch.stack([m.sum(), a.sum(), (a * a).sum()]).to(device)).tolist()
-    n = max(n, 1.0)
-    mean = s1 / n
-    var = (s2 / n - mean ** 2) * n / max(n - 1, 1.0)  # Bessel's correction, as verl
-    return ((adv_BT - mean) / np.sqrt(var + 1e-8) * mask_BT).float()
+    r = reduce_stats({"n": m.sum(), "s1": a.sum(), "s2": (a * a).sum()}, "sum", device)  # float64
+    n = max(r["n"], 1.0)
+    mean = r["s1"] / n
+    var = (r["s2"] / n - mean ** 2) * n / max(n - 1, 1.0)  # Bessel's correction, as verl
+    return ((adv_BT - mean) / math.sqrt(var + 1e-8) * mask_BT).float()
 
 
 def policy_loss(logp_BT, old_logp_BT, adv_BT, weight_BT, mask_BT, eps_low: float, eps_high: float,
@@ -322,10 +290,11 @@ def value_loss(values_BT, old_values_BT, returns_BT, mask_BT, value_clip: float,
 # ----------------------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> Args:
-    argv = sys.argv[1:] if argv is None else argv
-    builtin = not any(a == "--model" or a.startswith("--model=") for a in argv)
-    default = dataclasses.replace(Args(), **BUILTIN) if builtin else Args()
-    return tyro.cli(Args, default=default, args=argv)
+    """The command line over Args' defaults; when it names no --model, over the built-in task's preset BUILTIN."""
+    args = tyro.cli(Args, args=argv)
+    if args.model is None:
+        args = tyro.cli(Args, args=argv, default=dataclasses.replace(Args(), **BUILTIN))
+    return args
 
 
 def validate(args: Args, world_size: int) -> None:
@@ -381,10 +350,9 @@ def validate(args: Args, world_size: int) -> None:
         raise FileNotFoundError(f"--resume {args.resume!r}: no such directory")
     if args.overwrite and args.resume is not None:
         raise ValueError("--overwrite removes the run that --resume would continue: give one or the other")
-    check_correction_flags(args.is_correction, args.is_threshold, args.old_logp,
-                           {"--icepop-bounds": args.icepop_bounds, "--token-mis-bounds": args.token_mis_bounds,
-                            "--geo-mis-bounds": args.geo_mis_bounds, "--k3-mis-threshold": args.k3_mis_threshold,
-                            "--is-veto": args.is_veto or 1.0})  # PPO: no --opsm-delta
+    check_corrections(args.corrections, args.is_threshold, args.old_logp)
+    if "opsm" in args.corrections.is_reject:  # PPO
+        raise ValueError("--is-reject opsm needs one advantage per sequence; ppo.py's advantages are per token")
 
 
 current_step = 0  # the step in progress, which __main__'s message on Ctrl-C names
@@ -393,10 +361,12 @@ current_step = 0  # the step in progress, which __main__'s message on Ctrl-C nam
 def main(args: Args) -> None:
     global current_step
     rank, world_size, device = setup_distributed(cpu_offload=args.cpu_offload)  # gloo only for offload
+    print0(config_changes(args, Args(), BUILTIN if args.model is None else {},
+                          f"BUILTIN in {os.path.basename(__file__)} (no --model)"))
     validate(args, world_size)
-    rules = reject_rules(args.is_reject, args.is_veto, args.token_mis_bounds, args.geo_mis_bounds,
-                         args.k3_mis_threshold, 0.0)  # PPO: no opsm
-    seq_ratio = args.is_correction in ("seq-tis", "seq-mis")  # is/ratio_* over the sequence ratios rho
+    rules = correction_rules(args.corrections)
+    seq_ratio = args.corrections.is_correction in ("seq-tis", "seq-mis")  # is/ratio_* over the sequence ratios rho
+    recompute = args.old_logp == "recompute"  # else pi_old is mu (--old-logp mu): no recompute forward
     train_prec, rollout_prec = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
     seed_everything(args.seed)
     run_dir = args.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}")
@@ -407,13 +377,7 @@ def main(args: Args) -> None:
     critic_root = os.path.join(run_dir, "critic_checkpoints")  # PPO: the critic's checkpoints, same step names
 
     # --- data
-    model_path, dataset, eval_paths = args.model, args.dataset, list(args.eval_dataset)
-    if model_path is None or dataset is None:
-        from common.builtin_task import ensure_builtin_task
-        task = ensure_builtin_task()  # built once, cached; a file lock keeps ranks from building it twice
-        model_path = model_path or task["model"]
-        if dataset is None:
-            dataset, eval_paths = task["train"], eval_paths or [task["eval"]]
+    model_path, dataset, eval_paths = with_builtin_task(args.model, args.dataset, list(args.eval_dataset))
     resume_dir = find_resume_dir(args.resume, ckpt_root) if args.resume else None
     # PPO: the critic checkpoint of the same step, in the critic_checkpoints/ next to the policy's checkpoints/
     critic_resume_dir = (find_resume_dir(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(resume_dir))),
@@ -435,8 +399,7 @@ def main(args: Args) -> None:
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     scaler = LossScaler(enabled=train_prec == "fp16", max_consecutive_skips=args.max_skipped_steps)
     monitor = MismatchMonitor(args.kl_warn_factor, args.kl_baseline_steps)  # early warning of collapse
-    # PPO: the critic starts from the policy's weights (docs/algorithms.md) plus a value head, sharded and precision-managed
-    # as the policy (same MixedPrecisionPolicy, fp32 master weights, --cpu-offload), with its own AdamW and loss scaler
+    # PPO: the critic: the policy's weights plus a value head, sharded and in precision as the policy, its own AdamW and scaler
     critic = load_critic(critic_resume_dir or model_path, DTYPES[train_prec], device, args.gradient_checkpointing,
                          seed=args.seed, cpu_offload=args.cpu_offload, compile=args.compile)
     critic_params = [p for p in critic.parameters() if p.requires_grad]  # PPO: (an untied lm_head is frozen)
@@ -466,27 +429,8 @@ def main(args: Args) -> None:
         set_aside_newer(ckpt_root, start_step)  # from an older step: the later checkpoints are moved aside
         set_aside_newer(critic_root, start_step)  # PPO
 
-    logger = Logger(run_dir, dataclasses.asdict(args), enabled=rank == 0, total_steps=args.num_steps,
+    logger = Logger(run_dir, flat_fields(args), enabled=rank == 0, total_steps=args.num_steps,
                     start_step=start_step, track=args.track, project=args.wandb_project, run_name=args.exp_name)
-    prompts_per_rank = args.num_prompts // world_size
-    epoch_orders = {}  # the same order on every rank; step s takes prompts [s*P, (s+1)*P) of the epochs' sequence
-
-    def batch_problems(step: int) -> list[dict]:
-        idx = []
-        for j in range(step * args.num_prompts + rank * prompts_per_rank,
-                       step * args.num_prompts + (rank + 1) * prompts_per_rank):
-            epoch, k = divmod(j, len(problems))
-            if epoch not in epoch_orders:
-                epoch_orders[epoch] = np.random.default_rng([args.seed, epoch]).permutation(len(problems))
-            idx.append(epoch_orders[epoch][k])
-        return [problems[i] for i in idx]
-
-    def micro_batches(lengths: list[int]) -> list[list[int]]:
-        """The same number of micro-batches on every rank (each forward/backward is a collective under FSDP)."""
-        groups = split_microbatches(lengths, args.micro_batch_tokens)
-        n = int(reduce_stats({"n": len(groups)}, "max", device)["n"])
-        return split_microbatches(lengths, args.micro_batch_tokens, min_count=n)
-
     def run_eval(step: int) -> None:
         if eval_sets:
             sampler.wake_up()
@@ -496,8 +440,7 @@ def main(args: Args) -> None:
             logger.log(metrics, step, advance=False)
 
     def save(step: int) -> None:
-        # PPO: the critic first, keeping one more than the policy: the newest policy checkpoint always has its critic,
-        # even when a run is killed between the two saves
+        # PPO: the critic first, keeping one more: the newest policy checkpoint has its critic even if killed in between
         save_checkpoint(critic_root, step, critic, critic.lm, tokenizer, critic_optimizer,
                         {"scaler": critic_scaler.state_dict(), "value_head": value_head_state(critic)}, {},
                         args.keep_last + 1 if args.keep_last > 0 else 0)
@@ -507,7 +450,8 @@ def main(args: Args) -> None:
 
     # before any step: do the forward's activations fit the train and rollout precisions? (a clear error now, rather
     # than steps skipped for fp16 overflows or rollouts sampled from NaN)
-    check_forward_range(model, model.lm, [p["prompt_ids"] for p in batch_problems(start_step)], pad_id, device,
+    check_forward_range(model, model.lm, [p["prompt_ids"] for p in batch_problems(problems, start_step, args.num_prompts, rank,
+                                                                           world_size, args.seed)], pad_id, device,
                         train_prec, rollout_prec, args.logprob_chunk)
     step = start_step
     if start_step == 0 and args.eval_every:
@@ -519,7 +463,7 @@ def main(args: Args) -> None:
         # --- 1. sample G responses per prompt with the sampler (weights = the current policy, rollout precision)
         t0 = time.perf_counter()
         sampler.wake_up()
-        batch = batch_problems(step - 1)
+        batch = batch_problems(problems, step - 1, args.num_prompts, rank, world_size, args.seed)
         rollout = sampler.generate([p["prompt_ids"] for p in batch], args.group_size, args.max_response_len,
                                    args.temperature, 1.0)
         mem.update(phase_memory(device, "sample"))  # while the sampler is awake
@@ -531,10 +475,7 @@ def main(args: Args) -> None:
         answers = [p["answer"] for p in batch for _ in range(args.group_size)]
         rewards, reward_failures = score_rollout(texts, answers, rollout.finished, args.reward, args.truncated_reward,
                                                  progress=rank == 0)
-        n = reduce_stats({"failed": reward_failures, "checked": sum(rollout.finished)}, "sum", device)
-        if n["checked"] and n["failed"] == n["checked"]:  # a broken reward function: nothing to learn from zeros
-            raise TrainingFault(f"step {step}: every reward check of the step failed ({int(n['failed'])} responses; "
-                                "the first error of each kind is printed above); stopped before training on it")
+        check_step_rewards(step, reward_failures, sum(rollout.finished), device)  # stops if all failed
         rewards_B = torch.tensor(rewards)
         resp_lens = [len(r) for r in rollout.response_ids]
         seq_lens = [len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)]
@@ -546,10 +487,10 @@ def main(args: Args) -> None:
         old_values = [None] * len(seq_lens)  # PPO
         entropy_sum = 0.0
         with torch.no_grad():
-            for mb in micro_batches(seq_lens):
+            for mb in micro_batches(seq_lens, args.micro_batch_tokens, device):
                 ids, attn, rmask = collate([rollout.prompt_ids[i] for i in mb], [rollout.response_ids[i] for i in mb],
                                            pad_id, device)
-                if args.old_logp == "recompute":  # not with --old-logp mu: pi_old is then mu
+                if recompute:  # not with --old-logp mu: pi_old is then mu
                     logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=True)
                     entropy_sum += ent_BT[rmask].sum().item()
                     logp_BT = logp_BT.cpu()  # one device-to-host copy per micro-batch, not one per row
@@ -565,19 +506,15 @@ def main(args: Args) -> None:
         T = max(1, max(resp_lens))
         rmask_all = torch.arange(T)[None] < torch.tensor(resp_lens)[:, None]
         mu_all = pad_float(rollout.logprobs, T, "cpu")
-        old_all = pad_float(old_logp, T, "cpu") if args.old_logp == "recompute" else mu_all
+        old_all = pad_float(old_logp, T, "cpu") if recompute else mu_all
         check_finite_logprobs(step, rmask_all, device, train_prec, rollout_prec, old_logp=old_all, mu_logp=mu_all)
         sums, maxes, mins = mismatch_stats(old_all, mu_all, rmask_all, args.is_threshold, seq_ratio)
-        sums.update(reward=rewards_B.sum().item(), reward_failures=float(reward_failures), entropy=entropy_sum,
-                    resp_len=float(sum(resp_lens)),
-                    truncated=float(sum(not f for f in rollout.finished)), seq_tokens=float(sum(seq_lens)),
-                    all_correct=float((rewards_B.view(-1, args.group_size).min(-1).values == 1).sum()),
-                    all_wrong=float((rewards_B.view(-1, args.group_size).max(-1).values == 0).sum()))
-        maxes["resp_len"] = float(max(resp_lens))
-        weight_all = importance_weights(old_all, mu_all, rmask_all, args.is_correction, args.is_threshold,
-                                        args.icepop_bounds)
-        w_sums, w_maxes = weight_stats(old_all, mu_all, rmask_all, args.is_correction, args.is_threshold,
-                                       args.icepop_bounds)
+        r_sums, r_maxes = rollout_sums(rewards_B, args.group_size, reward_failures, rollout.finished, resp_lens,
+                                       seq_lens, entropy_sum)
+        sums.update(r_sums)
+        maxes.update(r_maxes)
+        weight_all, w_sums, w_maxes = correction_weights(old_all, mu_all, rmask_all, args.corrections,
+                                                         args.is_threshold)
         sums.update(w_sums)
         maxes.update(w_maxes)
         # PPO: per-token GAE advantages and returns from V_old, the advantages whitened over all ranks' response tokens
@@ -598,25 +535,25 @@ def main(args: Args) -> None:
         # PPO: N_tok of the value loss, each mini-batch's response tokens over all ranks (one all-reduce)
         num_tokens_global = reduce_stats({k: sum(resp_lens[k * seqs_per_mb:(k + 1) * seqs_per_mb])
                                           for k in range(args.num_minibatches)}, "sum", device)
-        loss_sum, pol = 0.0, {"clip": 0.0, "approx_kl": 0.0, "tokens": 0.0}
-        rej, first_logp, first_entropy = {}, {}, 0.0  # the rejection rules' counts; --old-logp mu's pi_old rows
+        loss_sum, pol, rej = 0.0, {}, {}  # summed over micro-batches: the loss's statistics, the rejection counts
+        first_logp, first_entropy = {}, 0.0  # pi_old's rows and entropy when nothing recomputes them
         grad_norms, skipped = [], 0
-        vloss_sum, vclip, critic_grad_norms = 0.0, 0.0, []  # PPO
+        crit, critic_grad_norms = {}, []  # PPO: the value loss and clip counts, summed over micro-batches
         for k in range(args.num_minibatches):
             mb_idx = list(range(k * seqs_per_mb, (k + 1) * seqs_per_mb))
-            for micro in micro_batches([seq_lens[i] for i in mb_idx]):
+            for micro in micro_batches([seq_lens[i] for i in mb_idx], args.micro_batch_tokens, device):
                 idx = [mb_idx[j] for j in micro]
                 ids, attn, rmask = collate([rollout.prompt_ids[i] for i in idx],
                                            [rollout.response_ids[i] for i in idx], pad_id, device)
                 Tm = rmask.shape[1]
-                first = k == 0 and args.old_logp == "mu"  # before any update: these are pi_old's log-probs
+                first = k == 0 and not recompute  # before any update: these are pi_old's log-probs
                 logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=first)
                 if first:
                     first_entropy += ent_BT.detach()[rmask].sum()
                     first_logp.update((i, row[:resp_lens[i]]) for i, row in zip(idx, logp_BT.detach().cpu()))
                 old_BT, mu_BT = to_device(old_all[idx, :Tm], device), to_device(mu_all[idx, :Tm], device)
                 # the rejection rules on pi_old/mu, or with --old-logp mu on pi_theta/mu (verl's bypass mode)
-                keep_BT, rej_mb = rejection_mask(logp_BT.detach() if args.old_logp == "mu" else old_BT,
+                keep_BT, rej_mb = rejection_mask(old_BT if recompute else logp_BT.detach(),
                                                  logp_BT.detach(), mu_BT, None, rmask, rules)  # PPO: no opsm
                 weight_BT = torch.where(keep_BT, to_device(weight_all[idx, :Tm], device), 0.0)
                 loss, stats = policy_loss(logp_BT, old_BT, to_device(adv_all[idx, :Tm], device), weight_BT,
@@ -624,18 +561,15 @@ def main(args: Args) -> None:
                 # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
                 scaler.scale_loss(loss * world_size).backward()
                 loss_sum += loss.detach()
-                for key in pol:
-                    pol[key] += stats[key]
-                for key, v in rej_mb.items():
-                    rej[key] = rej.get(key, 0.0) + v
+                add_sums(pol, stats)
+                add_sums(rej, rej_mb)
                 # PPO: the critic on the same micro-batch; its loss is a mean over N_tok, so times world_size again
                 values_BT = critic(ids, attn, rmask)
                 vloss, vstats = value_loss(values_BT, to_device(values_all[idx, :Tm], device),
                                            to_device(returns_all[idx, :Tm], device), rmask, args.value_clip,
                                            max(num_tokens_global[k], 1.0))
                 critic_scaler.scale_loss(vloss * world_size).backward()
-                vloss_sum += vloss.detach()
-                vclip += vstats["clip"]
+                add_sums(crit, {"value_loss": vloss.detach(), "value_clip": vstats["clip"]})  # PPO
             norm, was_skipped = scaler.step(params, optimizer, args.max_grad_norm)
             grad_norms.append(norm)
             skipped += was_skipped
@@ -643,9 +577,6 @@ def main(args: Args) -> None:
             critic_grad_norms.append(critic_scaler.step(critic_params, critic_optimizer, args.max_grad_norm)[0])
             if scaler.fault or critic_scaler.fault:
                 break  # no more updates from this batch; the run stops after logging it
-        loss_sum, pol = float(loss_sum), {key: float(v) for key, v in pol.items()}  # read once, not per micro-batch
-        rej = {key: float(v) for key, v in rej.items()}
-        vloss_sum, vclip = float(vloss_sum), float(vclip)  # PPO
         t_train = time.perf_counter() - t0
         mem.update(phase_memory(device, "train"))
 
@@ -656,35 +587,27 @@ def main(args: Args) -> None:
         mem.update(phase_memory(device, "sync"))
 
         # --- 7. log
-        sums.update(loss=loss_sum, clip=pol["clip"], approx_kl=pol["approx_kl"], policy_tokens=pol["tokens"], **rej)
-        sums.update(value_loss=vloss_sum, value_clip=vclip)  # PPO
+        sums.update(loss=loss_sum, **{f"policy_{key}": v for key, v in pol.items()}, **rej)
+        sums.update(crit)  # PPO
         g, g_max, g_min = (reduce_stats(d, op, device) for d, op in ((sums, "sum"), (maxes, "max"), (mins, "min")))
-        n_seqs, n_groups, n_tok = g["n_seqs"], g["n_seqs"] / args.group_size, max(g["n_tokens"], 1.0)
+        n_tok = max(g["n_tokens"], 1.0)  # PPO: the critic's keys are means over the response tokens
         metrics = {
-            "train/accuracy": g["reward"] / n_seqs, "train/reward_failures": g["reward_failures"],
-            "train/all_correct_frac": g["all_correct"] / n_groups, "train/all_wrong_frac": g["all_wrong"] / n_groups,
-            "train/response_len_mean": g["resp_len"] / n_seqs, "train/response_len_max": g_max["resp_len"],
-            "train/truncated_frac": g["truncated"] / n_seqs, "train/entropy": g["entropy"] / n_tok,
-            "train/loss": g["loss"] / args.num_minibatches,  # each rank's share sums to the mini-batch's loss
+            **step_metrics(g, g_max, args.group_size, args.num_minibatches, grad_norms, scaler, args.lr,
+                           {"sample": t_sample, "recompute": t_recompute, "train": t_train, "sync": t_sync}), **mem,
             **mismatch_metrics(g, g_max, g_min, seq_ratio), **correction_metrics(g, g_max, rules),
-            "policy/clip_frac": g["clip"] / max(g["policy_tokens"], 1.0),
-            "policy/approx_kl": g["approx_kl"] / max(g["policy_tokens"], 1.0),
-            "optim/grad_norm": float(np.mean([n for n in grad_norms if np.isfinite(n)] or [float("nan")])),
-            "optim/loss_scale": scaler.scale, "optim/skipped_steps": scaler.skipped_steps, "optim/lr": args.lr,
-            "time/sample": t_sample, "time/recompute": t_recompute, "time/train": t_train, "time/sync": t_sync, **mem,
-            "perf/sample_tok_s": g["resp_len"] / t_sample,
-            "perf/train_tok_s": g["seq_tokens"] / t_train,  # prompt + response tokens, forward and backward
+            "policy/clip_frac": g["policy_clip"] / max(g["policy_tokens"], 1.0),
+            "policy/approx_kl": g["policy_approx_kl"] / max(g["policy_tokens"], 1.0),
             # PPO: the critic (V_old: its values before this step's update; R = A + V_old, before whitening)
             "critic/value_loss": g["value_loss"] / args.num_minibatches,
             "critic/explained_variance": 1 - (g["resid_sq"] / n_tok - (g["resid"] / n_tok) ** 2)
                                          / max(g["ret_sq"] / n_tok - (g["ret"] / n_tok) ** 2, 1e-8),
             "critic/value_mean": g["value"] / n_tok, "critic/return_mean": g["ret"] / n_tok,
             "critic/value_clip_frac": g["value_clip"] / max(g["policy_tokens"], 1.0),
-            "critic/grad_norm": float(np.mean([n for n in critic_grad_norms if np.isfinite(n)] or [float("nan")])),
+            "critic/grad_norm": mean_finite(critic_grad_norms),
             "critic/loss_scale": critic_scaler.scale, "critic/skipped_steps": critic_scaler.skipped_steps,
-            "critic/adv_std_raw": float(np.sqrt(max(g["adv_raw_sq"] / n_tok - (g["adv_raw"] / n_tok) ** 2, 0.0))),
+            "critic/adv_std_raw": math.sqrt(max(g["adv_raw_sq"] / n_tok - (g["adv_raw"] / n_tok) ** 2, 0.0)),
         }
-        if args.old_logp == "mu":  # no recompute: the mismatch against the first mini-batch's forward instead
+        if not recompute:  # no recompute: the mismatch against the first mini-batch's forward instead
             metrics.update(first_minibatch_mismatch(first_logp, mu_all, rmask_all, float(first_entropy),
                                                     args.is_threshold, seq_ratio, device))
         kl_metrics, warning = monitor.update(metrics["mismatch/kl_k3"])

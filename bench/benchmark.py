@@ -47,7 +47,7 @@ import tempfile
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that spin while waiting made
-# CPU runs on 2 shared cores 3x slower (README, "On a CPU")
+# CPU runs on 2 shared cores 3x slower (docs/results.md, "On a CPU")
 import torch
 import torch.distributed as dist
 

@@ -158,7 +158,7 @@ def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device
 def compile_layers(lm: nn.Module) -> None:
     """torch.compile the forward of each decoder layer, in place. A layer of a small model is dozens of small
     elementwise kernels (norms, rotary embedding, activation, casts) that compiling fuses: on one H100 the training
-    phase of a GRPO step on SmolLM2-135M ran 1.44x faster and the recompute 1.30x (README, Benchmarks). Only the
+    phase of a GRPO step on SmolLM2-135M ran 1.44x faster and the recompute 1.30x (docs/results.md, Benchmarks). Only the
     forward is compiled, so FSDP2's hooks (all-gather, reduce-scatter), gradient checkpointing and the parameter
     names stay as they are (wrapping the module instead would rename every parameter). Layers share one compiled
     graph per case: a micro-batch's shapes (dynamic after the first change), grad mode (the no-grad recompute or

@@ -1,5 +1,6 @@
 """The training-inference mismatch metrics of every step (docs/algorithms.md), over all response tokens of the rollout
 batch on every rank: local sums / maxes / mins here, reduced across ranks by common.dist.reduce_stats."""
+import numpy as np
 import torch
 
 
@@ -98,3 +99,47 @@ class MismatchMonitor:
 
     def load_state_dict(self, state: dict) -> None:
         self.baseline, self.recent, self.warning = state["baseline"], list(state["recent"]), state["warning"]
+
+
+def rollout_sums(rewards_B: torch.Tensor, group_size: int, reward_failures: int, finished: list[bool],
+                 resp_lens: list[int], seq_lens: list[int], entropy_sum: float) -> tuple[dict, dict]:
+    """Local (sums, maxes) of the rollout batch for the train/ keys of step_metrics, for common.dist.reduce_stats."""
+    r_GN = rewards_B.view(-1, group_size)
+    sums = {"reward": rewards_B.sum().item(), "reward_failures": float(reward_failures), "entropy": entropy_sum,
+            "resp_len": float(sum(resp_lens)), "truncated": float(sum(not f for f in finished)),
+            "seq_tokens": float(sum(seq_lens)), "all_correct": float((r_GN.min(-1).values == 1).sum()),
+            "all_wrong": float((r_GN.max(-1).values == 0).sum())}
+    return sums, {"resp_len": float(max(resp_lens))}
+
+
+def mean_finite(values: list[float]) -> float:
+    """The mean of the finite values (a skipped fp16 step's gradient norm is inf), nan when there is none."""
+    finite = [v for v in values if np.isfinite(v)]
+    return float(np.mean(finite)) if finite else float("nan")
+
+
+def step_metrics(g: dict, g_max: dict, group_size: int, num_minibatches: int, grad_norms: list[float], scaler,
+                 lr: float, times: dict) -> dict:
+    """The train/, optim/, time/ and perf/ keys (docs/metrics.md) from the step's statistics reduced over all ranks (g: sums
+    with rollout_sums' keys, mismatch_stats' n_seqs / n_tokens and the summed loss; g_max: maxes), the policy's grad
+    norms (one per optimizer step) and loss scaler, and the phases' seconds (sample, recompute, train, sync)."""
+    n_seqs, n_groups, n_tok = g["n_seqs"], g["n_seqs"] / group_size, max(g["n_tokens"], 1.0)
+    return {
+        "train/accuracy": g["reward"] / n_seqs, "train/reward_failures": g["reward_failures"],
+        "train/all_correct_frac": g["all_correct"] / n_groups, "train/all_wrong_frac": g["all_wrong"] / n_groups,
+        "train/response_len_mean": g["resp_len"] / n_seqs, "train/response_len_max": g_max["resp_len"],
+        "train/truncated_frac": g["truncated"] / n_seqs, "train/entropy": g["entropy"] / n_tok,
+        "train/loss": g["loss"] / num_minibatches,  # each rank's share sums to the mini-batch's loss
+        "optim/grad_norm": mean_finite(grad_norms),
+        "optim/loss_scale": scaler.scale, "optim/skipped_steps": scaler.skipped_steps, "optim/lr": lr,
+        **{f"time/{k}": v for k, v in times.items()},
+        "perf/sample_tok_s": g["resp_len"] / times["sample"],
+        "perf/train_tok_s": g["seq_tokens"] / times["train"],  # prompt + response tokens, forward and backward
+    }
+
+
+def add_sums(total: dict, part: dict) -> None:
+    """total[key] += part[key] for every key of part: a step's statistics summed over its micro-batches (0-d tensors
+    stay on their device; common.dist.reduce_stats reads them once a step)."""
+    for key, v in part.items():
+        total[key] = total.get(key, 0.0) + v

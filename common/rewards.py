@@ -11,57 +11,22 @@ The kinds of --reward (score_rollout's kind):
           module (sys.path, then the current directory) and called in the same
           time-limited worker processes as the math check (PLUGIN_TIMEOUT_S per call)
 
-Why the math check runs in helper processes
--------------------------------------------
-math-verify parses LaTeX into sympy and simplifies; a hostile answer such as
-\\boxed{9^{9^{9^{9^{9}}}}} can make that run (and allocate) without end. Its own
-timeouts use signal.alarm, which
-  - only works in the main thread (it raises in a worker thread, and turning it
-    off there means no time bound at all),
-  - replaces the process-wide SIGALRM handler of the training process, and
-  - cannot stop code that never returns to the Python interpreter.
-So every check is sent to a small pool of persistent worker processes (this very
-file run as a script, talking JSON lines over pipes). Inside a worker, a SIGALRM
-timer (it is the worker's main thread) stops slow Python code and the worker
-stays up; if the worker still has not answered shortly after, it is killed and a
-fresh one is started on demand. This works the same from any thread of the
-caller, costs no process spawn per response (only one per worker, and one after
-each kill), and lets score_responses check many responses in parallel.
-We use subprocess rather than multiprocessing so the worker never re-imports the
-training script (spawn/forkserver do that) and never forks a process that holds
-CUDA or tokenizer threads.
-A plug-in reward runs in the same workers for the same reasons: it may hang or
-crash, and it must not take the training process down with it. A call that
-raises, runs past its time limit or returns anything but a finite number scores
-0 and counts as a failure (train/reward_failures, eval/<name>/reward_failures), like a math
-check that times out. A step whose every check failed stops the run (the scripts check it).
+The math check and the plug-ins run in worker processes bounded in time and memory (common/reward_pool.py says
+why and how). A call that raises, runs past its time limit or returns anything but a finite number scores 0 and
+counts as a failure (train/reward_failures, eval/<name>/reward_failures), like a math check that times out. A step
+whose every check failed stops the run (the scripts check it).
 """
-
-import atexit
-import importlib
-import json
-import logging
-import math
-import numbers
-import os
-import queue
 import re
-import select
-import signal
-import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from fractions import Fraction
-from functools import lru_cache
 
-NUM_WORKERS = min(8, os.cpu_count() or 1)  # processes (and threads) used by score_responses
+from common import reward_pool
+
 PLUGIN_TIMEOUT_S = 5.0  # time limit of one call of a plug-in reward (--reward module:function), as math_reward's
-_KILL_GRACE_S = 1.0  # extra wait past the in-worker timer before we kill the worker
-_START_TIMEOUT_S = 120.0  # a fresh worker must import sympy/math-verify within this (and a plug-in its module)
-_WORKER_MEM_BYTES = 4 << 30  # address-space cap per worker: a runaway bignum gets MemoryError, not the OOM killer
 PROGRESS_EVERY_S = 10.0  # score_rollout(progress=True) prints a line this often while checking
+_verdicts = {}  # (pred, gold) -> 1.0/0.0. The same pairs recur a lot: a group of samples per prompt, epochs.
 
 
 # ----------------------------------------------------------------------------
@@ -179,7 +144,7 @@ def _math_verdict(response: str, answer: str, timeout_s: float = 5.0) -> float |
         return 1.0
     key = (pred, gold)
     if key not in _verdicts:
-        verdict = _check(pred, gold, float(timeout_s))
+        verdict = reward_pool.check_math(pred, gold, float(timeout_s))
         if verdict is None:  # timed out: not remembered, it may just be a busy machine
             return None
         if len(_verdicts) >= 50_000:  # crude bound on memory
@@ -220,7 +185,7 @@ def score_rollout(responses: list[str], answers: list[str], finished: list[bool]
     todo = [i for i, done in enumerate(finished) if done]
     # math and plug-in checks mostly wait on worker processes, so keep several in flight from threads;
     # repeated (answer, gold) pairs, common within a group of samples, hit the math cache
-    n_threads = min(NUM_WORKERS, len(todo)) if kind not in ("exact", "number") else 1
+    n_threads = min(reward_pool.NUM_WORKERS, len(todo)) if kind not in ("exact", "number") else 1
     verdicts = {}
     t0 = shown = time.monotonic()
 
@@ -257,17 +222,9 @@ _CHECKS = {"math": _math_verdict, "exact": exact_match_reward, "number": number_
 _reported = set()
 
 
-class RewardFunctionError(Exception):
-    """A plug-in reward call failed in its worker; type_name says how (the type of the exception raised there)."""
-
-    def __init__(self, type_name: str, message: str):
-        super().__init__(message)
-        self.type_name = type_name
-
-
 def _report_failure(e: Exception) -> None:
     """One line per kind of exception and process, not one per response."""
-    name = e.type_name if isinstance(e, RewardFunctionError) else type(e).__name__
+    name = e.type_name if isinstance(e, reward_pool.RewardFunctionError) else type(e).__name__
     if name not in _reported:
         _reported.add(name)
         print(f"[reward] a reward check raised {name}: {e} (scored 0, counted in the reward_failures metrics; "
@@ -291,10 +248,10 @@ def check_reward(kind: str) -> None:
     if not _PLUGIN_RE.fullmatch(kind):
         raise ValueError(f"--reward {kind!r}: unknown reward kind; choose {', '.join(_CHECKS)} or module:function "
                          "(e.g. my_rewards:score)")
-    added = [p for p in _plugin_path() if p not in sys.path]
+    added = [p for p in reward_pool.plugin_path() if p not in sys.path]
     sys.path.extend(added)  # only while importing: the training process keeps its own import path
     try:
-        _load_plugin(kind)
+        reward_pool.load_plugin(kind)
     except Exception as e:  # noqa: BLE001 -- whatever the module raises on import, the user gets one line
         raise ValueError(f"--reward {kind!r}: {' '.join(str(e).split())}") from None
     finally:
@@ -303,268 +260,17 @@ def check_reward(kind: str) -> None:
     _checked_plugins.add(kind)
 
 
-def _plugin_path() -> list[str]:
-    """Where a worker looks for a plug-in's module, after its own sys.path: this process's (absolute, since the
-    worker is started with -P and a relative entry means this process's cwd) and the current directory."""
-    return [os.path.abspath(p) for p in sys.path] + [os.getcwd()]
-
-
-def _load_plugin(spec: str):
-    """The function of a "module:function" spec (in the parent, to check it; in a worker, to call it)."""
-    module_name, fn_name = spec.split(":")
-    importlib.invalidate_caches()  # the module may have been written after this process last imported something
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 -- a missing module, a SyntaxError, an error in its top-level code
-        raise ImportError(f"cannot import {module_name} ({type(e).__name__}: {e})") from e
-    if not hasattr(module, fn_name):
-        raise AttributeError(f"module {module_name} has no attribute {fn_name}")
-    fn = getattr(module, fn_name)
-    if not callable(fn):
-        raise TypeError(f"{module_name}.{fn_name} is not callable (it is a {type(fn).__name__})")
-    return fn
-
-
 def _plugin_verdict(spec: str, response: str, answer: str) -> float:
-    """fn(response, answer) of the plug-in, called in a worker; RewardFunctionError if the call raised, ran past
-    PLUGIN_TIMEOUT_S or returned a non-number."""
-    timeout_s = PLUGIN_TIMEOUT_S
-    job = {"kind": "plugin", "spec": spec, "path": _plugin_path(), "response": str(response), "answer": str(answer),
-           "timeout": timeout_s}
-    reply = _ask(job, timeout_s + _KILL_GRACE_S, lambda r: r == "timeout" or r.startswith("{"))
-    if reply is None:
-        raise RewardFunctionError("WorkerKilled", f"{spec} did not return within {timeout_s:g} s, even when told "
-                                  "to stop, or crashed its worker (the worker was replaced)")
-    if reply == "timeout":
-        raise RewardFunctionError("TimeoutError", f"{spec} did not return within {timeout_s:g} s")
-    out = json.loads(reply)
-    if "error" in out:
-        raise RewardFunctionError(out["error"], f"{spec}: {out['message']}")
-    return out["score"]
+    """fn(response, answer) of the plug-in, called in a worker with PLUGIN_TIMEOUT_S per call."""
+    return reward_pool.call_plugin(spec, response, answer, PLUGIN_TIMEOUT_S)
 
 
-# ----------------------------------------------------------------------------
-# parent side: a pool of worker processes
-
-
-_idle = queue.SimpleQueue()  # workers ready for a job; one job per worker at a time
-_live = set()  # every worker not yet killed, so we can clean up at exit
-_live_lock = threading.Lock()
-# (pred, gold) -> 1.0/0.0. The same pairs recur a lot: a group of samples per prompt, epochs.
-_verdicts = {}
-
-
-def _start_worker() -> subprocess.Popen:
-    proc = subprocess.Popen(
-        # -P: don't put common/ on the worker's sys.path, where a file named like a stdlib
-        # module (common/logging.py, ...) would shadow it
-        [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), os.path.abspath(__file__), "--worker"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,  # stderr is inherited, so a crash traceback shows up in the run's log
-        text=True,
-        bufsize=1,
-    )
-    proc.plugins = set()  # the plug-in specs this worker has imported
-    with _live_lock:
-        _live.add(proc)
-    if _read_line(proc, _START_TIMEOUT_S) != "ready":
-        _kill(proc)
-        raise RuntimeError("reward worker failed to start (is math-verify installed? see stderr above)")
-    return proc
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    with _live_lock:
-        _live.discard(proc)
-    proc.kill()
-    proc.wait()
-    for f in (proc.stdin, proc.stdout):
-        try:
-            f.close()
-        except OSError:
-            pass
-
-
-@atexit.register
-def _kill_all() -> None:
-    with _live_lock:
-        procs = list(_live)
-    for proc in procs:
-        _kill(proc)
-
-
-def _forget_workers() -> None:
-    # A forked child (e.g. a DataLoader worker) must not talk over its parent's pipes: it
-    # closes its copies (so the workers still see EOF when the parent exits) and starts afresh.
-    global _idle, _live, _live_lock
-    for proc in _live:
-        for f in (proc.stdin, proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-    _idle, _live, _live_lock = queue.SimpleQueue(), set(), threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_workers)
-
-
-def _read_line(proc: subprocess.Popen, timeout_s: float) -> str | None:
-    """One line from the worker, or None if it has not answered in time / has died."""
-    # poll, unlike select, has no limit on fd numbers (big training processes open many files).
-    # There is never more than one reply in flight, so Python's read buffer is empty here.
-    poller = select.poll()
-    poller.register(proc.stdout, select.POLLIN)
-    if not poller.poll(max(0, int(timeout_s * 1000))):
-        return None
-    line = proc.stdout.readline()  # "" if the worker died
-    return line.strip() if line.endswith("\n") else None
-
-
-def _ask(job: dict, wait_s: float, valid) -> str | None:
-    """Send one job to an idle worker (a fresh one if none is idle) and return its reply line, or None if it did
-    not answer within wait_s or died. valid(reply) says whether the worker is in a state to be reused."""
-    try:
-        proc = _idle.get_nowait()
-    except queue.Empty:
-        proc = _start_worker()
-    spec = job.get("spec")
-    reply = None
-    try:
-        if spec is not None and spec not in proc.plugins:
-            # a request of its own: the worker imports the plug-in's module untimed (it may be slow), so that
-            # the call's time limit is the call's. One request at a time keeps one reply line in flight.
-            reply = _send(proc, {"kind": "load", "spec": spec, "path": job["path"]}, _START_TIMEOUT_S)
-            if reply != "loaded":
-                return reply  # the import failed there (an error reply), or the worker is stuck or dead (None)
-            proc.plugins.add(spec)
-            reply = None
-        reply = _send(proc, job, wait_s)
-    except OSError:  # broken pipe: the worker had died
-        pass
-    finally:
-        if reply is not None and valid(reply):
-            _idle.put(proc)
-        else:  # stuck, dead or confused: never reuse it
-            _kill(proc)
-    return reply
-
-
-def _send(proc: subprocess.Popen, job: dict, wait_s: float) -> str | None:
-    proc.stdin.write(json.dumps(job) + "\n")
-    proc.stdin.flush()
-    return _read_line(proc, wait_s)
-
-
-def _check(pred: str, gold: str, timeout_s: float) -> float | None:
-    """Ask a worker whether pred == gold: 1.0 / 0.0, or None if it timed out."""
-    job = {"kind": "math", "pred": pred, "gold": gold, "timeout": timeout_s}
-    reply = _ask(job, timeout_s + _KILL_GRACE_S, lambda r: r in ("0", "1", "timeout"))
-    return {"1": 1.0, "0": 0.0}.get(reply)
-
-
-# ----------------------------------------------------------------------------
-# worker side (this file run as a script)
-
-
-class _CheckTimeout(BaseException):
-    # BaseException, so math-verify's `except Exception` cannot swallow it and carry on
-    pass
-
-
-def _on_alarm(signum, frame):
-    raise _CheckTimeout()
-
-
-@lru_cache(maxsize=1)
-def _latex_config():
-    from math_verify import LatexExtractionConfig
-
-    return [LatexExtractionConfig(boxed_match_priority=0)]
-
-
-def _verify_here(pred: str, gold: str) -> bool:
-    from math_verify import parse, verify
-
-    # Wrap both sides in \boxed{} and parse them as LaTeX only: a bare "\frac12" or "2\sqrt{2}"
-    # given to parse() with its default settings is not found / read as "2", and its plain-
-    # expression extractor could pull a stray number out of a garbled answer. math-verify's
-    # own timeouts are off (None): our SIGALRM timer bounds the whole check instead.
-    config = _latex_config()
-    gold_parsed = parse("\\boxed{" + gold + "}", extraction_config=config, parsing_timeout=None)
-    pred_parsed = parse("\\boxed{" + pred + "}", extraction_config=config, parsing_timeout=None)
-    if not gold_parsed or not pred_parsed:
-        return False
-    return verify(gold_parsed, pred_parsed, timeout_seconds=None)
-
-
-_plugins = {}  # spec -> function, in a worker
-
-
-def _plugin_job_here(job: dict) -> str:
-    """The reply to a plug-in job: "loaded" (kind load) or the score as {"score": float} (kind plugin); else
-    {"error": type name, "message": ...}, or "timeout"."""
-    try:
-        if job["spec"] not in _plugins:  # not timed: the parent allows for a slow import
-            sys.path.extend(p for p in job["path"] if p not in sys.path)  # at the end: the stdlib is never shadowed
-            _plugins[job["spec"]] = _load_plugin(job["spec"])
-        if job["kind"] == "load":
-            return "loaded"
-        signal.setitimer(signal.ITIMER_REAL, job["timeout"])
-        try:
-            score = _plugins[job["spec"]](job["response"], job["answer"])
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        if not isinstance(score, numbers.Real):  # bool, int, float, numpy scalars
-            raise TypeError(f"returned {score!r:.80} ({type(score).__name__}), not a number")
-        if not math.isfinite(float(score)):
-            raise ValueError(f"returned {score!r}, not a finite number")
-        return json.dumps({"score": float(score)})
-    except _CheckTimeout:
-        return "timeout"
-    except BaseException as e:  # noqa: BLE001 -- even SystemExit: the worker stays up, the call scored 0
-        return json.dumps({"error": type(e).__name__, "message": " ".join(str(e).split())[:500]})
-
-
-def _worker_main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; we exit when our stdin closes
-    # our replies go through a private copy of stdout, so stray prints can't corrupt the protocol
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    # math-verify logs whole responses on timeouts/errors; that would flood the training log
-    logging.getLogger("math_verify").setLevel(logging.CRITICAL + 1)
-    try:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_AS, (_WORKER_MEM_BYTES, _WORKER_MEM_BYTES))
-    except (ImportError, ValueError, OSError):
-        pass
-    import math_verify  # noqa: F401  (pay the slow import before saying ready)
-
-    signal.signal(signal.SIGALRM, _on_alarm)
-    out.write("ready\n")
-    out.flush()
-    for line in sys.stdin:
-        reply = "0"
-        try:
-            job = json.loads(line)
-            if job.get("kind") in ("load", "plugin"):
-                out.write(_plugin_job_here(job) + "\n")
-                out.flush()
-                continue
-            signal.setitimer(signal.ITIMER_REAL, job["timeout"])
-            try:
-                reply = "1" if _verify_here(job["pred"], job["gold"]) else "0"
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-        except _CheckTimeout:
-            reply = "timeout"
-        except BaseException:  # MemoryError, any math-verify/sympy error: not equal
-            reply = "0"
-        out.write(reply + "\n")
-        out.flush()
-
-
-if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
-    _worker_main()
+def check_step_rewards(step: int, failures: int, checked: int, device) -> None:
+    """Collective. Raise TrainingFault when every reward check of the step, over all ranks, failed: a broken reward
+    function, and nothing to learn from zeros."""
+    from common.dist import reduce_stats
+    from common.precision import TrainingFault
+    n = reduce_stats({"failed": failures, "checked": checked}, "sum", device)
+    if n["checked"] and n["failed"] == n["checked"]:
+        raise TrainingFault(f"step {step}: every reward check of the step failed ({int(n['failed'])} responses; the "
+                            "first error of each kind is printed above); stopped before training on it")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that spin while waiting made
-# CPU runs on 2 shared cores 3x slower (README, "On a CPU")
+# CPU runs on 2 shared cores 3x slower (docs/results.md, "On a CPU")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python sanity/mismatch_analysis.py` from anywhere
     sys.path.insert(0, ROOT)
@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import tyro
 
+from common.config import config_changes
 from common.dist import print0
 
 Precision = Literal["fp16", "bf16", "fp32"]
@@ -46,7 +47,8 @@ Precision = Literal["fp16", "bf16", "fp32"]
 
 @dataclass
 class Args:
-    """Defaults are for real models (--model given); without --model the built-in task's defaults apply (BUILTIN)."""
+    """Defaults are for a real model (--model); without --model the built-in task's preset BUILTIN (below) replaces
+    some of them, under the command line; the run prints at start every value that differs from these."""
     out_dir: str = "runs/mismatch"
     """where analysis.json, analysis.md, scatter.png and log_ratio_vs_length.png go"""
     model: str | None = None
@@ -221,10 +223,11 @@ def plot_log_ratio(series: dict, out: str) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> Args:
-    argv = sys.argv[1:] if argv is None else argv
-    builtin = not any(a == "--model" or a.startswith("--model=") for a in argv)
-    default = dataclasses.replace(Args(), **BUILTIN) if builtin else Args()
-    return tyro.cli(Args, default=default, args=argv)
+    """The command line over Args' defaults; when it names no --model, over the built-in task's preset BUILTIN."""
+    args = tyro.cli(Args, args=argv)
+    if args.model is None:
+        args = tyro.cli(Args, args=argv, default=dataclasses.replace(Args(), **BUILTIN))
+    return args
 
 
 def validate(args: Args) -> None:
@@ -243,6 +246,8 @@ def validate(args: Args) -> None:
 
 def main(args: Args) -> dict:
     validate(args)
+    print0(config_changes(args, Args(), BUILTIN if args.model is None else {},
+                          f"BUILTIN in {os.path.basename(__file__)} (no --model)"))
     from transformers import AutoTokenizer
 
     from common.data import encode_problems, load_problems
@@ -254,7 +259,7 @@ def main(args: Args) -> dict:
     _, _, device = setup_distributed()
     model_path, dataset = args.model, args.dataset
     if model_path is None or dataset is None:
-        from common.builtin_task import ensure_builtin_task
+        from tasks.builtin import ensure_builtin_task
         task = ensure_builtin_task()
         model_path, dataset = model_path or task["model"], dataset or task["train"]
     os.makedirs(args.out_dir, exist_ok=True)

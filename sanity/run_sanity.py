@@ -36,13 +36,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that spin while waiting made
-# CPU runs on 2 shared cores 3x slower (README, "On a CPU")
+# CPU runs on 2 shared cores 3x slower (docs/results.md, "On a CPU")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python sanity/run_sanity.py` from anywhere
     sys.path.insert(0, ROOT)
 
 import tyro
 
+from common.config import config_changes
 from sanity.report import fmt, md_table, pass_check, plot_curves, read_metrics
 
 Algorithm = Literal["grpo", "grpo_token_tis", "grpo_seq_mis", "pg_is", "gspo", "ppo"]
@@ -54,7 +55,8 @@ Precision = Literal["fp16", "bf16", "fp32"]
 
 @dataclass
 class Args:
-    """Defaults are for real models (--model given); without --model the built-in task's defaults apply (BUILTIN)."""
+    """Defaults are for a real model (--model); without --model the built-in task's preset BUILTIN (below) replaces
+    some of them, under the command line; the run prints at start every value that differs from these."""
     out_dir: str = "runs/sanity"
     """where perfectible/, runs/, analysis/, report.md, curves.png and results.json go"""
     model: str | None = None
@@ -308,10 +310,11 @@ def write_report(args: Args, argv: list[str], results: list[dict], hist: dict, v
 # ----------------------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> Args:
-    argv = sys.argv[1:] if argv is None else argv
-    builtin = not any(a == "--model" or a.startswith("--model=") for a in argv)
-    default = dataclasses.replace(Args(), **BUILTIN) if builtin else Args()
-    return tyro.cli(Args, default=default, args=argv)
+    """The command line over Args' defaults; when it names no --model, over the built-in task's preset BUILTIN."""
+    args = tyro.cli(Args, args=argv)
+    if args.model is None:
+        args = tyro.cli(Args, args=argv, default=dataclasses.replace(Args(), **BUILTIN))
+    return args
 
 
 def validate(args: Args) -> None:
@@ -333,6 +336,8 @@ def validate(args: Args) -> None:
 
 def main(args: Args, argv: list[str]) -> int:
     validate(args)
+    print(config_changes(args, Args(), BUILTIN if args.model is None else {},
+                         f"BUILTIN in {os.path.basename(__file__)} (no --model)"))
     out = args.out_dir
     os.makedirs(out, exist_ok=True)
     common = split(args.common_args) + (["--model", os.path.abspath(args.model)] if args.model else [])

@@ -78,7 +78,8 @@ CLIP = [(["--eps-low", "1.0"], "--eps-low"), (["--eps-low", "-0.1"], "--eps-low"
 CISPO_CLIP = [(["--eps-low", "1.5"], "--eps-low"), (["--eps-low", "-0.1"], "--eps-low"),
               (["--eps-high", "-0.1"], "--eps-high")]  # CISPO clips a weight: eps_low 1 (no lower bound) is valid
 PPO = [(["--critic-lr", "0"], "--critic-lr"), (["--gamma", "1.5"], "--gamma"), (["--gamma", "nan"], "--gamma"),
-       (["--lam", "-0.1"], "--lam"), (["--value-clip", "0"], "--value-clip")]
+       (["--lam", "-0.1"], "--lam"), (["--value-clip", "0"], "--value-clip"),
+       (["--is-reject", "opsm"], "--is-reject")]  # opsm needs one advantage per sequence
 CASES = ([(s, *case) for s in SCRIPTS for case in BAD_VALUES]
          + [(s, *case) for s in ("grpo.py", "gspo.py", "ppo.py") for case in CLIP]
          + [("ppo.py", *case) for case in PPO] + [("cispo.py", *case) for case in CISPO_CLIP]

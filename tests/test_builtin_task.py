@@ -1,4 +1,4 @@
-"""Tests for the built-in addition task (common/builtin_task.py). One real build (~45 s on 2 CPU cores),
+"""Tests for the built-in addition task (tasks/builtin.py). One real build (~45 s on 2 CPU cores),
 done by two concurrent processes racing on a fresh directory; every other test reuses its result."""
 import json
 import os
@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from common.builtin_task import MARKER, ensure_builtin_task, make_datasets, sample_accuracy
+from tasks.builtin import ensure_builtin_task, make_datasets, sample_accuracy
+from tasks.cache import MARKER
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
     cache_dir = str(tmp_path_factory.mktemp("builtin") / "task")
-    code = ("import json; from common.builtin_task import ensure_builtin_task; "
+    code = ("import json; from tasks.builtin import ensure_builtin_task; "
             f"print('PATHS=' + json.dumps(ensure_builtin_task({cache_dir!r})))")
     env = dict(os.environ, PYTHONPATH=REPO)
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, text=True,

@@ -68,7 +68,7 @@ def test_training_moves_the_weights_and_resume_continues(tmp_path):
     assert "[resume]" in p.stdout and "step 2" in p.stdout
     steps = [r["step"] for r in read_metrics(run_dir) if "train/accuracy" in r]
     assert steps == [1, 2, 3]
-    from common.builtin_task import ensure_builtin_task
+    from tasks.builtin import ensure_builtin_task
     start = AutoModelForCausalLM.from_pretrained(ensure_builtin_task()["model"])
     end = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "step_000003"))
     assert not torch.equal(start.model.embed_tokens.weight, end.model.embed_tokens.weight)

@@ -40,7 +40,7 @@ def weights(path):
 
 
 def builtin_weights():
-    from common.builtin_task import ensure_builtin_task
+    from tasks.builtin import ensure_builtin_task
     return weights(ensure_builtin_task()["model"])
 
 
@@ -132,8 +132,8 @@ def test_reward_failures_score_zero_and_are_counted():
 
 
 def test_math_timeout_counts_as_a_failure(monkeypatch):
-    import common.rewards as rewards
-    monkeypatch.setattr(rewards, "_check", lambda pred, gold, timeout_s: None)  # the worker did not answer in time
+    from common import reward_pool
+    monkeypatch.setattr(reward_pool, "check_math", lambda pred, gold, timeout_s: None)  # the worker did not answer in time
     assert score_rollout([r"\boxed{2^{2^{2^{99}}}}"], ["3"], [True], "math") == ([0.0], 1)
 
 

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from grpo import drgrpo_advantages, importance_weights, policy_loss
+from corrections import importance_weights
+from grpo import drgrpo_advantages, policy_loss
 
 
 def test_drgrpo_advantages_subtract_group_mean_without_std():

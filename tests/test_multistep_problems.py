@@ -1,4 +1,4 @@
-"""The multi-step word problems (common/multistep_problems.py): fixed, disjoint, every answer recomputed from the
+"""The multi-step word problems (tasks/multistep_problems.py): fixed, disjoint, every answer recomputed from the
 chain with exact fractions, every operand told in the text, a spread of 2..6 steps, and `--reward math` accepting
 the answer in a \\boxed{}."""
 import collections
@@ -9,7 +9,7 @@ import re
 from fractions import Fraction
 
 from common.data import load_problems
-from common.multistep_problems import MAX_STEPS, MIN_STEPS, N_EVAL, N_TRAIN, SEED, ensure_multistep_problems, \
+from tasks.multistep_problems import MAX_STEPS, MIN_STEPS, N_EVAL, N_TRAIN, SEED, ensure_multistep_problems, \
     make_problems
 from common.rewards import math_reward
 

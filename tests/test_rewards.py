@@ -10,7 +10,7 @@ from fractions import Fraction
 
 import pytest
 
-from common import rewards
+from common import reward_pool, rewards
 from common.rewards import (REWARD_FNS, exact_match_reward, extract_boxed, extract_number, math_reward, number_reward,
                             score_responses, score_rollout)
 
@@ -126,13 +126,13 @@ def test_stuck_worker_is_killed_and_replaced(monkeypatch):
     # Pretend the in-worker timer did not fire (as with code that never returns to Python):
     # the parent must give up at its own deadline, kill that worker, and start a fresh one.
     math_reward(r"\boxed{1}", "2")
-    monkeypatch.setattr(rewards, "_KILL_GRACE_S", -1.5)  # parent deadline: timeout - 1.5 s
-    n_live = len(rewards._live)
+    monkeypatch.setattr(reward_pool, "_KILL_GRACE_S", -1.5)  # parent deadline: timeout - 1.5 s
+    n_live = len(reward_pool._live)
     t0 = time.time()
     assert math_reward(r"\boxed{7^{7^{7^{7^{7}}}}}", "3", timeout_s=TIMEOUT_S) == 0.0
     assert time.time() - t0 < TIMEOUT_S
-    assert len(rewards._live) == n_live - 1  # killed, not returned to the pool
-    monkeypatch.setattr(rewards, "_KILL_GRACE_S", 1.0)
+    assert len(reward_pool._live) == n_live - 1  # killed, not returned to the pool
+    monkeypatch.setattr(reward_pool, "_KILL_GRACE_S", 1.0)
     assert math_reward(r"\boxed{\frac{6}{8}}", "0.75") == 1.0
 
 
@@ -327,7 +327,7 @@ def test_plugin_scores_in_a_worker(plugin):
     r = score_rollout(responses, ["14", "14", "7", "7"], [True] * 4, f"{plugin}:contains")
     assert r == ([1.0, 0.0, 1.0, 0.0], 0)
     assert score_responses([" 3 ", "4"], ["3", "3"], [True, True], f"{plugin}:exact") == [1.0, 0.0]
-    assert plugin not in rewards._plugins  # called in the workers, not here
+    assert plugin not in reward_pool._plugins  # called in the workers, not here
 
 
 def test_plugin_found_in_the_current_directory(tmp_path, monkeypatch):
@@ -431,3 +431,10 @@ def test_grpo_trains_on_a_plugin_reward(tmp_path):
     assert all(r["train/reward_failures"] == 0 for r in steps)
     assert max(r["train/accuracy"] for r in steps) > 0  # the warm-started model solves about 40% at first
     assert any("eval/eval/accuracy" in r for r in rows)  # evaluation scores with the plug-in too
+
+
+def test_the_worker_pool_is_apart_from_the_reward_semantics():
+    """common/reward_pool.py runs as a worker script with nothing of the repository on its path: it never imports
+    common/rewards.py (which imports it)."""
+    code = "import sys; import common.reward_pool; assert 'common.rewards' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)) or ".")

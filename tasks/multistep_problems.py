@@ -1,6 +1,6 @@
 """A real-model task with room for chain-of-thought: multi-step arithmetic word problems.
 
-Qwen2.5 Coder 1.5B Instruct (common/real_model.py) solves the one-step word problems (common/word_problems.py) 88%
+Qwen2.5 Coder 1.5B Instruct (tasks/real_model.py) solves the one-step word problems (tasks/word_problems.py) 88%
 of the time at the start of training, so nothing there can still be learned. Here one quantity goes through a chain of
 2 to 6 operations told as a story (a shop's stock that is sold, packed into boxes, priced, weighed, taxed, ...):
 additions and subtractions of 2-3 digit numbers to a 2-4 digit start, products, fractions ("gives away 3/8 of
@@ -11,7 +11,7 @@ from nearly always to nearly never solved, and a perfectible set ([0.2, 0.8] suc
 a few thousand of them (sanity/build_perfectible.py). Asked with the R1 instruction (`--prompt-template chat`) and
 scored with `--reward math` (the last \\boxed{}).
 
-    python -m common.multistep_problems             # writes the files (if missing) and prints their paths
+    python -m tasks.multistep_problems             # writes the files (if missing) and prints their paths
     paths = ensure_multistep_problems()             # {"train": jsonl, "eval": jsonl}
 
 Each row: {"problem", "answer", "steps" (the number of operations), "chain" ([op, operands..., value after] for each
@@ -20,11 +20,11 @@ percent_off, pack_full (whole boxes: v // b), pack_left (the rest: v % b)): the 
 answer}. Generated from a fixed seed:
 the same files on every machine; evaluation problems are disjoint from training ones.
 """
-import json
 import math
-import os
 import random
 import sys
+
+from tasks.cache import cache_dir, ensure_problem_splits
 
 VERSION = "multistep-problems-v1"
 N_TRAIN, N_EVAL = 4000, 300
@@ -202,22 +202,10 @@ def make_problems(n: int, rng: random.Random, exclude=()) -> list[dict]:
 
 
 def ensure_multistep_problems(out_dir: str | None = None) -> dict:
-    """Write train.jsonl / eval.jsonl once (atomically) and return their paths."""
-    out_dir = os.path.abspath(os.path.expanduser(
-        out_dir or os.environ.get("MULTISTEP_PROBLEMS_DIR") or os.path.join("~", ".cache", "rl-mismatch", VERSION)))
-    paths = {"train": os.path.join(out_dir, "train.jsonl"), "eval": os.path.join(out_dir, "eval.jsonl")}
-    if all(os.path.exists(p) for p in paths.values()):
-        return paths
-    os.makedirs(out_dir, exist_ok=True)
-    rng = random.Random(SEED)
-    train = make_problems(N_TRAIN, rng)
-    evals = make_problems(N_EVAL, rng, exclude={p["problem"] for p in train})
-    for name, rows in (("train", train), ("eval", evals)):
-        tmp = f"{paths[name]}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        os.replace(tmp, paths[name])
-    return paths
+    """train.jsonl / eval.jsonl, written once into out_dir (default: the cache or $MULTISTEP_PROBLEMS_DIR);
+    returns their paths."""
+    out_dir = out_dir or cache_dir(VERSION, "MULTISTEP_PROBLEMS_DIR")
+    return ensure_problem_splits(out_dir, make_problems, N_TRAIN, N_EVAL, SEED)
 
 
 if __name__ == "__main__":
