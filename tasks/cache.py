@@ -62,6 +62,17 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
+def distinct_problems(make_problem: Callable, n: int, rng: random.Random, exclude=()) -> list[dict]:
+    """n problems from make_problem(rng) with distinct texts, none of them in exclude."""
+    seen, out = set(exclude), []
+    while len(out) < n:
+        p = make_problem(rng)
+        if p["problem"] not in seen:
+            seen.add(p["problem"])
+            out.append(p)
+    return out
+
+
 def ensure_problem_splits(out_dir: str, make_problems: Callable, n_train: int, n_eval: int, seed: int) -> dict:
     """train.jsonl and eval.jsonl of a generated task, built once into out_dir: n_train then n_eval problems from one
     generator seeded with `seed` (the same files on every machine), the evaluation ones disjoint from the training

@@ -24,7 +24,7 @@ import math
 import random
 import sys
 
-from tasks.cache import cache_dir, ensure_problem_splits
+from tasks.cache import cache_dir, distinct_problems, ensure_problem_splits
 
 VERSION = "multistep-problems-v1"
 N_TRAIN, N_EVAL = 4000, 300
@@ -74,9 +74,10 @@ def _fraction(rng, v, kind, noun, n):
     if not fits:
         return None
     p, q = rng.choice(fits)
-    text = {"items": f"{n} gives away {p}/{q} of the {noun} and keeps the rest.",
-            "containers": f"{p}/{q} of the {noun} are sold and the rest are kept.",
-            "dollars": f"{n} spends {p}/{q} of the money and keeps the rest."}[kind]
+    # v1's wording, which the 1.5B experiment ran on (sanity/results/cot_1.5b): changing a sentence changes the task,
+    # so a new wording needs a new VERSION
+    text = {"items": f"{n} gives away {p}/{q} of the {noun}.", "containers": f"{p}/{q} of the {noun} are sold.",
+            "dollars": f"{n} spends {p}/{q} of the money."}[kind]
     return (v - v * p // q, kind, noun), text, ["fraction_off", p, q]
 
 
@@ -192,13 +193,7 @@ def make_problem(rng: random.Random, steps: int | None = None) -> dict:
 
 def make_problems(n: int, rng: random.Random, exclude=()) -> list[dict]:
     """n problems with distinct texts, none of them in exclude."""
-    seen, out = set(exclude), []
-    while len(out) < n:
-        p = make_problem(rng)
-        if p["problem"] not in seen:
-            seen.add(p["problem"])
-            out.append(p)
-    return out
+    return distinct_problems(make_problem, n, rng, exclude)
 
 
 def ensure_multistep_problems(out_dir: str | None = None) -> dict:

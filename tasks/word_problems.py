@@ -14,7 +14,7 @@ Generated from a fixed seed: the same files on every machine; evaluation problem
 import random
 import sys
 
-from tasks.cache import cache_dir, ensure_problem_splits
+from tasks.cache import cache_dir, distinct_problems, ensure_problem_splits
 
 VERSION = "word-problems-v1"
 N_TRAIN, N_EVAL = 2000, 200
@@ -58,13 +58,7 @@ def make_problem(rng: random.Random) -> dict:
 
 def make_problems(n: int, rng: random.Random, exclude=()) -> list[dict]:
     """n problems with distinct texts, none of them in exclude."""
-    seen, out = set(exclude), []
-    while len(out) < n:
-        p = make_problem(rng)
-        if p["problem"] not in seen:
-            seen.add(p["problem"])
-            out.append(p)
-    return out
+    return distinct_problems(make_problem, n, rng, exclude)
 
 
 def ensure_word_problems(out_dir: str | None = None) -> dict:
