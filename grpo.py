@@ -34,8 +34,7 @@ from common.checkpoint import (check_shared_dir, find_resume_dir, load_training_
                                set_aside_newer, set_rng_state)
 from common.config import config_changes, flat_fields
 from common.data import encode_problems, load_problems
-from common.dist import (cleanup_distributed, exit_process, phase_memory, print0, reduce_stats, seed_everything,
-                         setup_distributed)
+from common.dist import cleanup_distributed, phase_memory, print0, reduce_stats, seed_everything, setup_distributed
 from common.evaluate import eval_name, evaluate
 from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
@@ -525,11 +524,10 @@ if __name__ == "__main__":
         if os.environ.get("DEBUG"):
             raise
         print(f"{os.path.basename(__file__)}: error: {e}", file=sys.stderr)
-        exit_process(3 if isinstance(e, TrainingFault) else 2)  # 3: stopped by a fault, 2: bad input
+        sys.exit(3 if isinstance(e, TrainingFault) else 2)  # 3: stopped by a fault, 2: bad input
     except KeyboardInterrupt:  # Ctrl-C: where the run stopped and how to go on, not a traceback
         if os.environ.get("DEBUG"):
             raise
         print(f"{os.path.basename(__file__)}: interrupted at step {current_step}; resume with --resume latest",
               file=sys.stderr)
-        exit_process(130)  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
-    exit_process(0)  # without the interpreter's teardown, where gloo's leftover threads can abort (common/dist.py)
+        sys.exit(130)  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended

@@ -3,11 +3,9 @@
 Every run has a process group, also a single process without torchrun (a group of one): FSDP2 and the in-process
 vLLM engine (external_launcher) then take the same code path on 1 or N ranks.
 """
-import atexit
 import os
 import random
 import socket
-import sys
 
 import numpy as np
 import torch
@@ -54,18 +52,6 @@ def cleanup_distributed() -> None:
     if dist.is_initialized():  # (a sampler's shutdown may have destroyed it already)
         dist.barrier()
         dist.destroy_process_group()
-
-
-def exit_process(code: int = 0) -> None:
-    """End the process with `code` once its work is done: the atexit handlers run (the reward workers, wandb), the
-    output is flushed, then os._exit skips the interpreter's teardown. Why: after FSDP2 has run, gloo's threads
-    (gloo_tcp_loop, pt_gloo_runloop) outlive destroy_process_group (the device mesh keeps the group referenced), and
-    destroying them during that teardown can call std::terminate ("terminate called without an active exception",
-    SIGABRT, torchrun exit -6) after a run that succeeded; seen 1 run in 3-8 on some machines."""
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def is_main() -> bool:

@@ -1,8 +1,7 @@
 """common/dist.py: which backends the process group gets. gloo (which connects every pair of ranks at start over the
 interface the hostname resolves to) only where CPU tensors take part in collectives: on a CPU, and on GPUs with
---cpu-offload; and how a script ends its process."""
+--cpu-offload."""
 import importlib
-import os
 
 import pytest
 
@@ -33,16 +32,3 @@ def test_scripts_ask_for_gloo_only_with_cpu_offload(monkeypatch, script, offload
     with pytest.raises(Stop):
         module.main(module.parse_args(["--cpu-offload"] if offload else []))
     assert seen == [offload]
-
-
-def test_exit_process_runs_atexit_handlers_and_keeps_the_code():
-    """exit_process skips the interpreter's teardown (where gloo's leftover threads can abort) but not the atexit
-    handlers (the reward workers are killed there) nor buffered output."""
-    import subprocess
-    import sys
-    code = ("import atexit, sys; from common.dist import exit_process; "
-            "atexit.register(lambda: print('atexit ran', flush=True)); sys.stdout.write('buffered '); exit_process(3)")
-    p = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 3, p.stderr
-    assert p.stdout == "buffered atexit ran\n", p.stdout
