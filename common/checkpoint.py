@@ -1,24 +1,8 @@
-"""Checkpoints, written by every rank and readable by any number of ranks:
-  - a Hugging Face model directory (config, generation config, tokenizer, model.safetensors with the fp32 weights)
-    that `from_pretrained` and vLLM load. Rank 0 writes model.safetensors one tensor at a time as each is gathered,
-    so no rank ever holds the full model;
-  - optimizer/: the AdamW state as torch.distributed.checkpoint (DCP) shards, each rank writing its own, so the state
-    (twice the fp32 weights: 61 GB at 7B) never funnels through one rank. DCP reshards on load: a run saved on 8
-    ranks resumes on 4 (the weights come from model.safetensors, each rank reading only its rows);
-  - trainer_state.json (step, loss scaler, ...) and rng_rank{r}.json (each rank's RNG streams, the sampler's among
-    them; JSON, not a pickle: reading it runs no code). Resumed on other ranks, rank r takes rng_rank{r}.json where
-    there is one (sampling streams then differ from an uninterrupted run, as they would on any other number of
-    ranks).
-What resuming reads that is not plain data: optimizer/.metadata, which DCP writes and reads as a pickle. Resume only
-from checkpoints you trust; a checkpoint given as --model is read as safetensors and JSON only (docs/checkpoints.md).
-Every rank writes into the same directory: the run directory must be on a filesystem every node sees
-(check_shared_dir says so at the start of a run, not at the first save).
-
-A checkpoint is written to `<name>.tmp`, fsynced (every file and directory) and renamed into place only when
-complete, so a run killed mid-save, or a machine that loses power, keeps its previous checkpoint; older ones are
-pruned only after that. A rank that fails to write its part (a full disk) makes every rank stop with the same line
-(CheckpointError), none waiting in a collective. Directories are `step_000123`; the newest complete one is what
-`--resume latest` takes. A resume from an older step moves the later checkpoints aside (set_aside_newer).
+"""Checkpoints, written by every rank and readable by any number of ranks: a Hugging Face model directory (fp32
+model.safetensors, written by rank 0 one tensor at a time as each is gathered), optimizer/ (DCP shards, each rank its
+own; resharded on load), trainer_state.json and rng_rank{r}.json (JSON, not a pickle). Written to `<name>.tmp`,
+fsynced and renamed into place when complete; a rank that fails to write makes every rank stop with the same line.
+What each file holds, the phases of a save, resuming from an older step and what to trust: docs/checkpoints.md.
 """
 import json
 import os
@@ -98,14 +82,10 @@ class CheckpointError(TrainingFault):
 def save_checkpoint(ckpt_root: str, step: int, model: torch.nn.Module, lm: torch.nn.Module, tokenizer,
                     optimizer: torch.optim.Optimizer | None, trainer_state: dict, rank_state: dict,
                     keep_last: int = 0) -> str:
-    """Collective: every rank calls it. `model` is the FSDP root, `lm` the Hugging Face model inside it.
-
-    A rank that fails to write its part does not leave the others waiting in the next collective until its timeout:
-    after each phase in which ranks write on their own, all of them agree on success (agree_on_failure), and on a
-    failure every rank raises CheckpointError with the first failing rank's line. The step's directory then stays
-    `<name>.tmp`, which is never taken as a checkpoint. Durable: every file and directory of the checkpoint is fsynced
-    before the rename into place, the parent directory after it, and only then are older checkpoints pruned
-    (keep_last: the newest keep_last, counting this one; a checkpoint of a later step is never pruned)."""
+    """Collective: every rank calls it. `model` is the FSDP root, `lm` the Hugging Face model inside it. After each
+    phase in which ranks write on their own, all agree on success (agree_on_failure), so a failing rank leaves none
+    waiting in a collective; the step's directory then stays `<name>.tmp`. keep_last: prune to the newest keep_last,
+    counting this one, after the durable rename (a checkpoint of a later step is never pruned). docs/checkpoints.md."""
     rank = dist.get_rank()
     final = os.path.join(ckpt_root, f"step_{step:06d}")
     tmp = final + ".tmp"
@@ -193,7 +173,7 @@ def write_json(path: str, obj, indent: int | None = None) -> None:
 
 
 def fsync_dir(path: str) -> None:
-    """fsync a directory: its entries (files created, renamed or removed in it) survive a crash."""
+    """fsync a file or directory (a directory's entries, files created, renamed or removed in it, then survive a crash)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -205,11 +185,7 @@ def fsync_tree(path: str) -> None:
     """fsync every file and directory under path (path included), each directory after its contents."""
     for dirpath, _dirnames, filenames in os.walk(path, topdown=False):
         for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(os.path.join(dirpath, name))
         fsync_dir(dirpath)
 
 

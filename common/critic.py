@@ -1,8 +1,6 @@
 """The value model of PPO (the critic): a Hugging Face causal LM's transformer with a scalar value head, sharded and
 precision-managed exactly like the policy (common/fsdp.py), and how its value head travels through checkpoints.
-
-Infrastructure only: the value loss lives in ppo.py.
-"""
+The value loss lives in ppo.py."""
 import json
 import os
 
@@ -16,11 +14,8 @@ from common.logprobs import response_positions
 
 class CriticModel(nn.Module):
     """`lm`: a Hugging Face causal LM (its lm_head is not used, and frozen when untied; keeping it makes the critic's
-    checkpoint an ordinary model directory, like the policy's). `value_head`: nn.Linear(hidden, 1) on the final hidden states.
-
-    FSDP2 shards each decoder layer, then this wrapper as the root, which so owns the embedding, the final norm, the
-    (unused) lm_head and the value head.
-    """
+    checkpoint an ordinary model directory, like the policy's). `value_head`: nn.Linear(hidden, 1) on the final hidden
+    states. The FSDP2 root (load_sharded)."""
 
     def __init__(self, lm: nn.Module, value_head: nn.Linear):
         super().__init__()

@@ -1,9 +1,6 @@
-"""Evaluation: avg@k accuracy on each --eval-dataset file, with its own sampling settings (the study's: temperature
-0.6, top_p 0.95). Each rank samples its share of the problems; counts are summed over ranks.
-
-Every rank calls `generate`, also with an empty share (30 problems on 32 ranks): the samplers' generate may be a
-collective (vLLM with --vllm-tp > 1 gathers the prompts of its tensor-parallel group), and a rank that skipped it
-would leave the others of its group waiting forever."""
+"""Evaluation: avg@k accuracy on each --eval-dataset file, with its own sampling settings. Each rank samples its share
+of the problems; counts are summed over ranks. Every rank calls `generate`, also with an empty share: with
+--vllm-tp > 1 it is a collective of the tensor-parallel group."""
 import os
 
 from common.dist import reduce_stats

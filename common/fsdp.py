@@ -96,22 +96,13 @@ def without_dropout(config) -> dict:
 
 def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool,
                  attn_implementation: str = "sdpa", cpu_offload: bool = False, compile: bool = False) -> nn.Module:
-    """Build a Hugging Face causal LM with fp32 master weights, wrap it (`wrap(lm)` -> the root module, e.g.
-    PolicyModel), and shard with FSDP2: each decoder layer, then the root, which so owns the embedding, the final norm
-    and the lm_head (kept together: they may be tied) and whatever the wrapper adds. Dropout is off (without_dropout),
-    also in the config that checkpoints save.
-
-    The full model never exists on any rank: its parameters are built on the meta device, sharded, and each rank then
-    reads only its own rows of every tensor from the safetensors files (an fp32 7B model is 30 GB; eight ranks each
-    loading all of it needed 240 GB of host memory). What the files do not hold (buffers such as rotary frequencies,
-    parameters the wrapper adds such as a value head) is built for real on every rank, as it is small.
-
-    cpu_offload: the sharded fp32 parameters (and so their gradients and the optimizer's states) stay in CPU memory;
-    FSDP2 copies each group's shards to `device` before its all-gather and the reduced gradients back. Buffers stay
-    on `device`, where the forward reads them.
-
-    compile: torch.compile each decoder layer's forward (compile_layers), on a GPU only: on a CPU it would pay minutes
-    of compilation (and need a C++ compiler) for little."""
+    """Build a Hugging Face causal LM with fp32 master weights and dropout off (without_dropout), wrap it (`wrap(lm)`
+    -> the root module, e.g. PolicyModel), and shard it with FSDP2: each decoder layer, then the root, which so owns
+    the embedding, the final norm, the lm_head (they may be tied) and what the wrapper adds. The full model never
+    exists on any rank: parameters are built on the meta device, sharded, and each rank reads only its own rows from
+    the safetensors files (docs/scale.md); what the files do not hold (buffers, a value head) is built on every rank.
+    cpu_offload: the sharded fp32 parameters, their gradients and the AdamW states stay in CPU memory (buffers stay on
+    `device`). compile: compile_layers, on a GPU only (on a CPU: minutes of compilation for little)."""
     config = AutoConfig.from_pretrained(path)
     without_dropout(config)
     with _parameters_on_meta():
@@ -156,15 +147,11 @@ def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device
 
 
 def compile_layers(lm: nn.Module) -> None:
-    """torch.compile the forward of each decoder layer, in place. A layer of a small model is dozens of small
-    elementwise kernels (norms, rotary embedding, activation, casts) that compiling fuses: on one H100 the training
-    phase of a GRPO step on SmolLM2-135M ran 1.44x faster and the recompute 1.30x (docs/results.md, Benchmarks). Only the
-    forward is compiled, so FSDP2's hooks (all-gather, reduce-scatter), gradient checkpointing and the parameter
-    names stay as they are (wrapping the module instead would rename every parameter). Layers share one compiled
-    graph per case: a micro-batch's shapes (dynamic after the first change), grad mode (the no-grad recompute or
-    training), train/eval mode and whether there is a padding mask (none when a micro-batch has no padding); the
-    recompile limit is raised to cover these cases, since past it dynamo falls back to eager for new ones, and a
-    checkpointed layer recomputed eagerly after a compiled forward fails checkpointing's metadata check."""
+    """torch.compile the forward of each decoder layer, in place, fusing its many small kernels (docs/results.md,
+    Benchmarks). Only the forward: FSDP2's hooks, gradient checkpointing and the parameter names stay as they are.
+    Layers share one compiled graph per case (shapes, grad mode, train/eval, padding mask or not); the recompile limit
+    is raised to cover them, since past it dynamo runs new cases eagerly, and a checkpointed layer recomputed eagerly
+    after a compiled forward fails checkpointing's metadata check."""
     import torch._dynamo
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for layer in decoder_layers(lm):

@@ -1,26 +1,8 @@
 """The fallback sampler (`--sampler hf`): a plain (unsharded) copy of the policy in the rollout precision, decoded
 with transformers, behind the interface of common/sampler.py. The log-prob it reports is the one of the distribution
-it sampled from (after temperature and top-p), as vLLM's `processed_logprobs`.
-
-On a GPU it decodes with fixed shapes, so that one decode step can be captured once as a CUDA graph and replayed
-(a decode step of a 1.5B model is over a thousand small kernels; launched one by one from Python they cost far
-more than the arithmetic):
-- the prompts are prefilled as before (left padding, a DynamicCache), then their keys and values are copied into a
-  transformers StaticCache preallocated to the bucket's length (prompt + max_new_tokens rounded up to 256);
-- each decode step reads one token, one position and an additive attention mask over the whole static cache
-  (B x 1 x 1 x S: 0 on each row's prompt tokens and on the tokens generated so far, -inf elsewhere), all in
-  buffers that keep their addresses;
-- the batch is padded with filler rows to a power of two (at most `batch_size`), so a rollout reuses one graph;
-- only the model's forward is in the graph. Temperature, top-p, the fp32 log-probs and the draw from
-  `self.generator` run eagerly after each replay, exactly as on the eager path (so the same seed gives the same
-  stream), and so does the early exit once every row has ended (checked every DONE_CHECK_EVERY tokens: each check
-  waits for the GPU);
-- the weights are read in place by the graph: `load_weights` copies into the same parameter tensors;
-- decoding attention groups the query heads under their key-value head (one sdpa call over B x kv_heads x
-  heads_per_group queries), instead of transformers' sdpa path, which copies the cache num_heads / kv_heads times
-  whenever a mask is given.
-`sleep()` frees the static cache and the graph (the trainer gets the memory back); the next `generate` captures again
-(well under a second). `static_cache=False` (the default on CPU) keeps the plain eager DynamicCache decoding.
+it sampled from (after temperature and top-p), as vLLM's `processed_logprobs`. On a GPU it decodes with fixed shapes
+in a StaticCache and replays each decode step as a CUDA graph (docs/samplers.md says how); `static_cache=False` (the
+default on CPU) keeps plain eager DynamicCache decoding.
 """
 import torch
 import torch.nn.functional as F

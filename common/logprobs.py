@@ -40,12 +40,8 @@ def chunked_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N
 
 
 class PolicyModel(nn.Module):
-    """A Hugging Face causal LM whose forward returns the log-probs of the response tokens.
-
-    FSDP2 shards each decoder layer, then this wrapper as the root, which so owns the embedding, the final norm
-    and the lm_head (tied or not to the embedding). `self.lm` keeps the Hugging Face names for checkpoints and the
-    weight sync.
-    """
+    """A Hugging Face causal LM whose forward returns the log-probs of the response tokens; the FSDP2 root
+    (load_sharded). `self.lm` keeps the Hugging Face names for checkpoints and the weight sync."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()

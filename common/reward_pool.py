@@ -1,27 +1,10 @@
 """The worker processes that run the reward checks which may not return: math-verify and plug-in rewards.
 
-math-verify parses LaTeX into sympy and simplifies; a hostile answer such as
-\\boxed{9^{9^{9^{9^{9}}}}} can make that run (and allocate) without end. Its own
-timeouts use signal.alarm, which
-  - only works in the main thread (it raises in a worker thread, and turning it
-    off there means no time bound at all),
-  - replaces the process-wide SIGALRM handler of the training process, and
-  - cannot stop code that never returns to the Python interpreter.
-So every check is sent to a small pool of persistent worker processes (this very
-file run as a script, talking JSON lines over pipes). Inside a worker, a SIGALRM
-timer (it is the worker's main thread) stops slow Python code and the worker
-stays up; if the worker still has not answered shortly after, it is killed and a
-fresh one is started on demand. This works the same from any thread of the
-caller, costs no process spawn per response (only one per worker, and one after
-each kill), and lets score_responses check many responses in parallel.
-We use subprocess rather than multiprocessing so the worker never re-imports the
-training script (spawn/forkserver do that) and never forks a process that holds
-CUDA or tokenizer threads.
-A plug-in reward runs in the same workers for the same reasons: it may hang or crash, and it must not take the
-training process down with it.
-
+Each check goes to a persistent worker (this very file run as a script, JSON lines over pipes); a SIGALRM timer in
+the worker stops slow Python code, and a worker that still has not answered shortly after is killed and replaced.
+Why processes, and why not multiprocessing or concurrent.futures: docs/faults.md, "Rewards that fail".
 common/rewards.py decides what a reward is and calls check_math / call_plugin here; this file never imports it (a
-worker runs this very file as a script, with nothing of the repository on its import path).
+worker runs it with nothing of the repository on its import path).
 """
 import atexit
 import importlib
@@ -128,6 +111,10 @@ def _kill(proc: subprocess.Popen) -> None:
         _live.discard(proc)
     proc.kill()
     proc.wait()
+    _close_pipes(proc)
+
+
+def _close_pipes(proc: subprocess.Popen) -> None:
     for f in (proc.stdin, proc.stdout):
         try:
             f.close()
@@ -148,11 +135,7 @@ def _forget_workers() -> None:
     # closes its copies (so the workers still see EOF when the parent exits) and starts afresh.
     global _idle, _live, _live_lock
     for proc in _live:
-        for f in (proc.stdin, proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
+        _close_pipes(proc)
     _idle, _live, _live_lock = queue.SimpleQueue(), set(), threading.Lock()
 
 
@@ -226,6 +209,15 @@ def _on_alarm(signum, frame):
     raise _CheckTimeout()
 
 
+def _timed(seconds: float, fn, *args):
+    """fn(*args) with a SIGALRM timer: _CheckTimeout after `seconds`."""
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn(*args)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
 @lru_cache(maxsize=1)
 def _latex_config():
     from math_verify import LatexExtractionConfig
@@ -260,11 +252,7 @@ def _plugin_job_here(job: dict) -> str:
             _plugins[job["spec"]] = load_plugin(job["spec"])
         if job["kind"] == "load":
             return "loaded"
-        signal.setitimer(signal.ITIMER_REAL, job["timeout"])
-        try:
-            score = _plugins[job["spec"]](job["response"], job["answer"])
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+        score = _timed(job["timeout"], _plugins[job["spec"]], job["response"], job["answer"])
         if not isinstance(score, numbers.Real):  # bool, int, float, numpy scalars
             raise TypeError(f"returned {score!r:.80} ({type(score).__name__}), not a number")
         if not math.isfinite(float(score)):
@@ -296,18 +284,12 @@ def _worker_main() -> None:
     out.write("ready\n")
     out.flush()
     for line in sys.stdin:
-        reply = "0"
         try:
             job = json.loads(line)
             if job.get("kind") in ("load", "plugin"):
-                out.write(_plugin_job_here(job) + "\n")
-                out.flush()
-                continue
-            signal.setitimer(signal.ITIMER_REAL, job["timeout"])
-            try:
-                reply = "1" if _verify_here(job["pred"], job["gold"]) else "0"
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                reply = _plugin_job_here(job)
+            else:
+                reply = "1" if _timed(job["timeout"], _verify_here, job["pred"], job["gold"]) else "0"
         except _CheckTimeout:
             reply = "timeout"
         except BaseException:  # MemoryError, any math-verify/sympy error: not equal

@@ -1,13 +1,6 @@
-"""The run directory holds one run, and one run at a time uses it.
-
-A run writes config.json, metrics.jsonl, checkpoints/ (ppo.py also critic_checkpoints/, --track wandb/) into its
---run-dir. A new run among another run's files would mix with it: --keep-last prunes by step across both runs'
-checkpoints, --resume latest continues whichever is newest, and both logs end up in one metrics.jsonl. Two runs at
-once replace each other's checkpoints. So (claim_run_dir):
-  - a run that does not resume refuses a directory holding another run's files, unless told to overwrite them, which
-    removes them (only them: a log you tee into the directory stays);
-  - rank 0 holds an exclusive lock on <run_dir>/.lock (fcntl.flock) for the run's life, so a second run started
-    there stops at once; the operating system releases the lock when the process ends, however it ends.
+"""The run directory holds one run, and one run at a time uses it (docs/faults.md, "The run directory"): a run that
+does not resume refuses a directory holding another run's files unless --overwrite removes them, and rank 0 holds an
+exclusive lock on <run_dir>/.lock (fcntl.flock) for the run's life.
 """
 import fcntl
 import os

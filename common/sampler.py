@@ -1,15 +1,7 @@
-"""The sampler interface: token ids in; per response, token ids, the sampler's own fp32 log-prob of each sampled token
-(mu_logp) and whether it ended with end-of-sequence.
-
-Every sampler has the same four methods, so the trainer does not know which one it holds:
-  generate(prompts, n, max_new_tokens, temperature, top_p) -> Rollout
-  load_weights(named_tensors)   in-place update from the trainer (an iterator of (HF name, full tensor))
-  sleep() / wake_up()           free / take back the sampler's memory while the trainer trains
-  shutdown()                    release the sampler before the process group goes
-
-The implementations live in their own modules, each importing Rollout from here (never the other way round):
-common/hf_sampler.py (HFSampler, the fallback on transformers, with CUDA-graph decoding on a GPU) and
-common/vllm_sampler.py (VLLMSampler, an in-process vLLM engine). make_sampler imports the one it builds.
+"""The sampler interface (docs/samplers.md): token ids in; per response, token ids, the sampler's own fp32 log-prob of
+each sampled token (mu_logp) and whether it ended with end-of-sequence. Every sampler has generate(prompts, n,
+max_new_tokens, temperature, top_p) -> Rollout, load_weights(named_tensors), sleep() / wake_up() and shutdown().
+The implementations (common/hf_sampler.py, common/vllm_sampler.py) import Rollout from here, never the other way round.
 """
 import importlib.util
 from dataclasses import dataclass, field

@@ -1,18 +1,6 @@
-"""The vLLM sampler: one in-process engine per torchrun rank, sharing the GPU with the trainer (colocated).
-
-- `distributed_executor_backend="external_launcher"`: the engine joins the process group the trainer already made
-  instead of starting workers of its own; `--vllm-tp` > 1 shards each engine over a group of consecutive ranks,
-  which then sample the same prompts together (seeded alike) and split the results.
-- The engine is seeded per rank (per TP group), never per request: a per-request seed made different prompts draw
-  identical token streams.
-- `logprobs_mode="processed_logprobs"`: the reported log-prob of each sampled token is that of the distribution
-  actually sampled from (after temperature and top-p), which is what mu means in the mismatch metrics.
-- Weight sync: the trainer's full weights, one tensor at a time, loaded in place by the model runner's
-  `reload_weights`, then the prefix cache is reset (cached KV blocks belong to the old weights).
-- Sleep mode (GPU only): level 1 offloads the weights to CPU and frees the KV cache while the trainer trains;
-  level 2 discards the weights too, so they must come from the trainer before the next sampling (never from disk:
-  that would silently drop all training). On CPU there is no sleep mode and sleep()/wake_up() do nothing.
-
+"""The vLLM sampler: one in-process engine per torchrun rank, colocated with the trainer (docs/samplers.md):
+external_launcher over the trainer's process group, seeded per rank (per TP group), never per request,
+processed_logprobs (mu after temperature), weights reloaded in place from the trainer, sleep mode while it trains.
 vLLM's internals are touched in exactly one function, `_model_runner`.
 """
 import gc
