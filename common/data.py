@@ -66,11 +66,8 @@ def _pick_field(row: dict, names: tuple, what: str, where: str) -> str:
 
 
 def load_problems(path: str) -> list[dict]:
-    """Rows of a .jsonl / .json / .parquet file as [{"problem": str, "answer": str}, ...].
-
-    An answer may be a short final answer ("42", "\\frac{1}{2}") or a full worked solution
-    ending in \\boxed{...}; it is kept as is, the reward function extracts the last box.
-    """
+    """Rows of a .jsonl / .json / .parquet file as [{"problem": str, "answer": str}, ...]. An answer (a short final
+    answer or a worked solution ending in \\boxed{...}) is kept as is: the reward function extracts the last box."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file not found: {path}")
     problems = []
@@ -95,17 +92,13 @@ def _check_template(template: str) -> None:
     try:
         fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
     except ValueError as e:
-        raise ValueError(
-            f"bad prompt template {template!r}: {e} (write a literal brace as {{{{ or }}}})"
-        ) from None
+        raise ValueError(f"bad prompt template {template!r}: {e} (write a literal brace as {{{{ or }}}})") from None
     if "problem" not in fields:
         raise ValueError(f"prompt template {template!r} has no {{problem}} field, e.g. \"{{problem}}\\n{{instruction}}\\n\"")
     unknown = fields - {"problem", "instruction"}
     if unknown:
-        raise ValueError(
-            f"prompt template {template!r} has unknown fields {sorted(unknown)} "
-            f"(allowed: {{problem}}, {{instruction}}; write a literal brace as {{{{ or }}}})"
-        )
+        raise ValueError(f"prompt template {template!r} has unknown fields {sorted(unknown)} (allowed: {{problem}}, "
+                         "{instruction}; write a literal brace as {{ or }})")
 
 
 def _format_of(template: str) -> str:
@@ -117,19 +110,13 @@ def _format_of(template: str) -> str:
 
 
 def format_prompt(tokenizer, problem: str, template: str) -> list[int]:
-    """Token ids of the prompt for one problem.
-
-    template == "chat": the tokenizer's chat template with the problem + INSTRUCTION as the user turn.
-    template == "chat:<format>": the chat template with <format> (a format string with {problem} and optionally
-    {instruction}) as the user turn, e.g. "chat:{problem} Give the final answer as a number.".
-    Otherwise a format string with {problem} and optionally {instruction}, e.g. "{problem}\\n{instruction}\\n".
-    """
+    """Token ids of the prompt for one problem; template as --prompt-template: "chat" (the tokenizer's chat template,
+    the problem + INSTRUCTION as the user turn), "chat:<format>" (the chat template, <format> as the user turn) or a
+    format string with {problem} and optionally {instruction}."""
     if template == "chat" or template.startswith("chat:"):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "this tokenizer has no chat template; pass a raw template instead, "
-                'e.g. --prompt-template "{problem}\\n{instruction}\\n"'
-            )
+            raise ValueError("this tokenizer has no chat template; pass a raw template instead, "
+                             'e.g. --prompt-template "{problem}\\n{instruction}\\n"')
         user = _format_of(template)
         _check_template(user)
         content = user.replace("\\n", "\n").format(problem=problem, instruction=INSTRUCTION)
@@ -170,13 +157,9 @@ def encode_problems(tokenizer, problems: list[dict], template: str, max_prompt_l
             continue
         encoded.append({"prompt_ids": ids, **p})
     if not encoded:
-        raise ValueError(
-            f"[data] {name}: all {len(problems)} prompts are longer than {max_prompt_len} tokens "
-            f"(longest {longest}); raise --max-prompt-len"
-        )
+        raise ValueError(f"[data] {name}: all {len(problems)} prompts are longer than {max_prompt_len} tokens "
+                         f"(longest {longest}); raise --max-prompt-len")
     if n_skipped:
-        print(
-            f"[data] {name}: skipped {n_skipped} of {len(problems)} prompts longer than "
-            f"{max_prompt_len} tokens (longest {longest})"
-        )
+        print(f"[data] {name}: skipped {n_skipped} of {len(problems)} prompts longer than {max_prompt_len} tokens "
+              f"(longest {longest})")
     return encoded

@@ -88,15 +88,10 @@ _live_lock = threading.Lock()
 
 
 def _start_worker() -> subprocess.Popen:
-    proc = subprocess.Popen(
-        # -P: don't put common/ on the worker's sys.path, where a file named like a stdlib
-        # module (common/logging.py, ...) would shadow it
-        [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), os.path.abspath(__file__), "--worker"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,  # stderr is inherited, so a crash traceback shows up in the run's log
-        text=True,
-        bufsize=1,
-    )
+    # -P: common/ is not on the worker's sys.path, where a file named like a stdlib module would shadow it; stderr is
+    # inherited, so a crash traceback shows up in the run's log
+    proc = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), "--worker"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, bufsize=1)
     proc.plugins = set()  # the plug-in specs this worker has imported
     with _live_lock:
         _live.add(proc)

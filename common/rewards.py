@@ -1,20 +1,11 @@
-"""Rule-based rewards: did the response get the right final answer?
-
-The kinds of --reward (score_rollout's kind):
-  math    math_reward: the last \\boxed{...} of a response against the gold answer,
-          with the math-verify library (so 0.5 == \\frac{1}{2}, 2\\sqrt{2} == \\sqrt{8}, ...)
+"""Rule-based rewards: did the response get the right final answer? (--reward; README, Rewards)
+  math    math_reward: the last \\boxed{...} against the gold answer with math-verify (0.5 == \\frac{1}{2})
   exact   exact_match_reward: the whole stripped response equals the answer
-  number  number_reward: the final number of the response (GSM8K style), compared
-          numerically with the gold answer's
-  module:function
-          a plug-in: fn(response: str, answer: str) -> float, imported from the
-          module (sys.path, then the current directory) and called in the same
-          time-limited worker processes as the math check (PLUGIN_TIMEOUT_S per call)
-
-The math check and the plug-ins run in worker processes bounded in time and memory (common/reward_pool.py says
-why and how). A call that raises, runs past its time limit or returns anything but a finite number scores 0 and
-counts as a failure (train/reward_failures, eval/<name>/reward_failures), like a math check that times out. A step
-whose every check failed stops the run (the scripts check it).
+  number  number_reward: the final number of the response (GSM8K style), compared numerically
+  module:function   a plug-in fn(response, answer) -> float (sys.path, then the current directory)
+The math check and the plug-ins run in time- and memory-bounded worker processes (common/reward_pool.py). A call that
+raises, runs past its time limit or returns anything but a finite number scores 0 and counts as a failure
+(train/reward_failures, eval/<name>/reward_failures); a step whose every check failed stops the run.
 """
 import re
 import sys
@@ -123,11 +114,8 @@ def _gold_answer(answer: str) -> str:
 
 
 def math_reward(response: str, answer: str, timeout_s: float = 5.0) -> float:
-    """1.0 if the response's last boxed answer equals the gold answer per math-verify, else 0.0.
-
-    Bounded in time: returns within about timeout_s + 1 s (after the first call, which
-    also starts a worker process), from the main thread or any other thread.
-    """
+    """1.0 if the response's last boxed answer equals the gold answer per math-verify, else 0.0. Returns within about
+    timeout_s + 1 s (after the first call, which starts a worker process), from any thread."""
     verdict = _math_verdict(response, answer, timeout_s)
     return 0.0 if verdict is None else verdict
 
@@ -169,10 +157,10 @@ def score_rollout(responses: list[str], answers: list[str], finished: list[bool]
     module:function. progress: print a line every PROGRESS_EVERY_S while checking (a slow reward is not silence)."""
     check_reward(kind)  # a bad kind raises ValueError; a known one returns at once
     if not len(responses) == len(answers) == len(finished):
-        raise ValueError(
-            f"score_responses: got {len(responses)} responses, {len(answers)} answers, {len(finished)} finished flags"
-        )
-    fn = _CHECKS[kind] if kind in _CHECKS else lambda response, answer: _plugin_verdict(kind, response, answer)
+        raise ValueError(f"score_responses: got {len(responses)} responses, {len(answers)} answers, "
+                         f"{len(finished)} finished flags")
+    fn = _CHECKS.get(kind) or (lambda response, answer:  # a plug-in: in a worker, PLUGIN_TIMEOUT_S per call
+                               reward_pool.call_plugin(kind, response, answer, PLUGIN_TIMEOUT_S))
 
     def check(i: int) -> float | None:
         try:
@@ -198,18 +186,14 @@ def score_rollout(responses: list[str], answers: list[str], finished: list[bool]
             print(f"[reward] {len(verdicts)} of {len(todo)} responses checked in {shown - t0:.0f} s ({failed} "
                   "failed)", flush=True)
 
-    if n_threads <= 1:
-        for i in todo:
-            record(i, check(i))
-    else:
-        with ThreadPoolExecutor(n_threads) as pool:
-            futures = {pool.submit(check, i): i for i in todo}
-            try:
-                for future in as_completed(futures):
-                    record(futures[future], future.result())
-            except BaseException:  # Ctrl-C: drop the checks not yet started rather than wait for them all
-                pool.shutdown(cancel_futures=True)
-                raise
+    with ThreadPoolExecutor(max(n_threads, 1)) as pool:
+        futures = {pool.submit(check, i): i for i in todo}
+        try:
+            for future in as_completed(futures):
+                record(futures[future], future.result())
+        except BaseException:  # Ctrl-C: drop the checks not yet started rather than wait for them all
+            pool.shutdown(cancel_futures=True)
+            raise
     failures = 0
     for i in todo:
         rewards[i] = 0.0 if verdicts[i] is None else float(verdicts[i])
@@ -258,11 +242,6 @@ def check_reward(kind: str) -> None:
         for p in added:
             sys.path.remove(p)
     _checked_plugins.add(kind)
-
-
-def _plugin_verdict(spec: str, response: str, answer: str) -> float:
-    """fn(response, answer) of the plug-in, called in a worker with PLUGIN_TIMEOUT_S per call."""
-    return reward_pool.call_plugin(spec, response, answer, PLUGIN_TIMEOUT_S)
 
 
 def check_step_rewards(step: int, failures: int, checked: int, device) -> None:
