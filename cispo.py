@@ -25,7 +25,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Literal
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that spin while waiting made
 # CPU runs on 2 shared cores 3x slower (docs/results.md, "On a CPU")
@@ -145,7 +145,7 @@ class Args:
     """CISPO: upper bound 1 + eps_high on the importance weight r_it"""
     is_threshold: float = 3.0
     """C of the corrections (the study's text: 3; its code used 2 for Token-TIS and 10 for Seq-MIS; verl: 2)"""
-    corrections: Annotated[Corrections, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=Corrections)
+    corrections: tyro.conf.OmitArgPrefixes[Corrections] = dataclasses.field(default_factory=Corrections)
     """the rollout corrections: --is-correction, --is-reject, --is-veto and their bounds (corrections.py)"""
     old_logp: Literal["recompute", "mu"] = "recompute"
     """pi_old of the PPO ratio: 'recompute' (a forward of the trainer over the batch before training) or 'mu' (the

@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Literal
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that spin while waiting made
 # CPU runs on 2 shared cores 3x slower (docs/results.md, "On a CPU")
@@ -141,7 +141,7 @@ class Args:
     """PPO clip-higher (DAPO): upper bound 1 + eps_high on the ratio"""
     is_threshold: float = 3.0
     """C of the corrections (the study's text: 3; its code used 2 for Token-TIS and 10 for Seq-MIS; verl: 2)"""
-    corrections: Annotated[Corrections, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=Corrections)
+    corrections: tyro.conf.OmitArgPrefixes[Corrections] = dataclasses.field(default_factory=Corrections)
     """the rollout corrections: --is-correction, --is-reject, --is-veto and their bounds (corrections.py)"""
     old_logp: Literal["recompute", "mu"] = "recompute"
     """pi_old of the PPO ratio: 'recompute' (a forward of the trainer over the batch before training) or 'mu' (the
@@ -212,10 +212,11 @@ def policy_loss(logp_BT, old_logp_BT, adv_B, weight_BT, mask_BT, eps_low: float,
                 max_response_len: int, num_seqs: int):
     """Dr.GRPO's clipped surrogate with the constant normalizer:
     loss = (1/N_seq) sum_i sum_t m_it w_it l_it / L_max,  l_it = -min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i),
-    r_it = exp(logp - old_logp). N_seq is the mini-batch's sequence count over all ranks and micro-batches, so
-    summing this over micro-batches (and averaging gradients over ranks, each rank's loss times world size) gives
-    the same value whatever the split. Returns (loss, local sums for the clip fraction and approx KL, as 0-d
-    tensors: the caller adds them up and reads them once per step, where a .item() here would wait for the GPU)."""
+    r_it = exp(logp - old_logp).
+    N_seq is the mini-batch's sequence count over all ranks and micro-batches, so summing this over micro-batches
+    (and averaging gradients over ranks, each rank's loss times world size) gives the same value whatever the split.
+    Returns (loss, local sums for the clip fraction and approx KL, as 0-d tensors: the caller adds them up and reads
+    them once per step, where a .item() here would wait for the GPU)."""
     m = mask_BT.float()
     log_ratio_BT = logp_BT - old_logp_BT
     ratio_BT = torch.exp(log_ratio_BT)

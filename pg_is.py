@@ -234,8 +234,9 @@ def policy_loss(logp_BT, old_logp_BT, mu_logp_BT, adv_B, mask_BT, is_mode: str, 
     loss = (1/N_seq) sum_i sum_t m_it l_it / L_max,  l_it = -sg[w_i] A_i logp_it,  w_i from seq_importance_weights.
     N_seq is the mini-batch's sequence count over all ranks and micro-batches, so summing this over micro-batches
     (and averaging gradients over ranks, each rank's loss times world size) gives the same value whatever the split.
-    old_logp enters only the approx KL. Returns (loss, local sums and max for the is/ and policy/ metrics, as 0-d
-    tensors: the caller adds them up and reads them once per step, where a .item() here would wait for the GPU)."""
+    old_logp enters only the approx KL.
+    Returns (loss, local sums and max for the is/ and policy/ metrics, as 0-d tensors: the caller adds them up and reads
+    them once per step, where a .item() here would wait for the GPU)."""
     m = mask_BT.float()
     w_B, log_rho_B = seq_importance_weights(logp_BT.detach(), mu_logp_BT, m, is_mode, threshold)
     loss_BT = -(w_B * adv_B)[:, None] * logp_BT
@@ -243,11 +244,10 @@ def policy_loss(logp_BT, old_logp_BT, mu_logp_BT, adv_B, mask_BT, is_mode: str, 
     with torch.no_grad():
         log_ratio_BT = logp_BT - old_logp_BT
         rho_B = torch.exp(log_rho_B.clamp(max=LOG_RHO_MAX))  # capped as --is-mode is caps it (an inf: a useless mean)
-        stats = {"approx_kl": ((torch.expm1(log_ratio_BT) - log_ratio_BT) * m).sum(),  # k3 of KL(old||theta)
-                 "tokens": m.sum(), "seqs": float(len(w_B)), "weight": w_B.sum(),
-                 "rho": rho_B.sum(), "rho_max": rho_B.max(),
-                 "rho_over": (log_rho_B > math.log(threshold)).sum(),
-                 "rho_clamped": (log_rho_B > LOG_RHO_MAX).sum()}
+        stats = {"seqs": float(len(w_B)), "weight": w_B.sum(), "rho": rho_B.sum(), "rho_max": rho_B.max(),
+                 "rho_over": (log_rho_B > math.log(threshold)).sum(), "rho_clamped": (log_rho_B > LOG_RHO_MAX).sum(),
+                 "approx_kl": ((torch.expm1(log_ratio_BT) - log_ratio_BT) * m).sum(),  # k3 of KL(old||theta)
+                 "tokens": m.sum()}
     return loss, stats
 
 

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Literal
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that spin while waiting made
 # CPU runs on 2 shared cores 3x slower (docs/results.md, "On a CPU")
@@ -145,7 +145,7 @@ class Args:
     """PPO clip-higher (DAPO): upper bound 1 + eps_high on the ratio"""
     is_threshold: float = 3.0
     """C of the corrections (the study's text: 3; its code used 2 for Token-TIS and 10 for Seq-MIS; verl: 2)"""
-    corrections: Annotated[Corrections, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=Corrections)
+    corrections: tyro.conf.OmitArgPrefixes[Corrections] = dataclasses.field(default_factory=Corrections)
     """the rollout corrections: --is-correction, --is-reject, --is-veto and their bounds (corrections.py)"""
     old_logp: Literal["recompute", "mu"] = "recompute"
     """pi_old of the PPO ratio: 'recompute' (a forward of the trainer over the batch before training) or 'mu' (the
@@ -253,10 +253,11 @@ def policy_loss(logp_BT, old_logp_BT, adv_BT, weight_BT, mask_BT, eps_low: float
                 max_response_len: int, num_seqs: int):  # PPO: per-token advantages adv_BT instead of adv_B
     """Dr.GRPO's clipped surrogate with the constant normalizer, on PPO's per-token advantages A_it:
     loss = (1/N_seq) sum_i sum_t m_it w_it l_it / L_max, l_it = -min(r_it A_it, clip(r_it, 1-eps_low, 1+eps_high) A_it),
-    r_it = exp(logp - old_logp). N_seq is the mini-batch's sequence count over all ranks and micro-batches, so
-    summing this over micro-batches (and averaging gradients over ranks, each rank's loss times world size) gives
-    the same value whatever the split. Returns (loss, local sums for the clip fraction and approx KL, as 0-d
-    tensors: the caller adds them up and reads them once per step, where a .item() here would wait for the GPU)."""
+    r_it = exp(logp - old_logp).
+    N_seq is the mini-batch's sequence count over all ranks and micro-batches, so summing this over micro-batches
+    (and averaging gradients over ranks, each rank's loss times world size) gives the same value whatever the split.
+    Returns (loss, local sums for the clip fraction and approx KL, as 0-d tensors: the caller adds them up and reads
+    them once per step, where a .item() here would wait for the GPU)."""
     m = mask_BT.float()
     log_ratio_BT = logp_BT - old_logp_BT
     ratio_BT = torch.exp(log_ratio_BT)
@@ -481,23 +482,25 @@ def main(args: Args) -> None:
         seq_lens = [len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)]
 
         # --- 3. recompute old_logp with the trainer (the weights that sampled the batch), and the entropy
-        # PPO: and V_old with the critic, on the same micro-batches (the values of GAE and of the value clip)
         t0 = time.perf_counter()
         old_logp = [None] * len(seq_lens)
-        old_values = [None] * len(seq_lens)  # PPO
         entropy_sum = 0.0
         with torch.no_grad():
-            for mb in micro_batches(seq_lens, args.micro_batch_tokens, device):
+            for mb in micro_batches(seq_lens, args.micro_batch_tokens, device) if recompute else []:
                 ids, attn, rmask = collate([rollout.prompt_ids[i] for i in mb], [rollout.response_ids[i] for i in mb],
                                            pad_id, device)
-                if recompute:  # not with --old-logp mu: pi_old is then mu
-                    logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=True)
-                    entropy_sum += ent_BT[rmask].sum().item()
-                    logp_BT = logp_BT.cpu()  # one device-to-host copy per micro-batch, not one per row
-                    for row, i in enumerate(mb):
-                        old_logp[i] = logp_BT[row, :resp_lens[i]]
-                values_BT = critic(ids, attn, rmask).cpu()  # PPO
+                logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=True)
+                entropy_sum += ent_BT[rmask].sum().item()
+                logp_BT = logp_BT.cpu()  # one device-to-host copy per micro-batch, not one per row
                 for row, i in enumerate(mb):
+                    old_logp[i] = logp_BT[row, :resp_lens[i]]
+            # PPO: and V_old with the critic (the values of GAE and of the value clip), also with --old-logp mu
+            old_values = [None] * len(seq_lens)  # PPO
+            for mb in micro_batches(seq_lens, args.micro_batch_tokens, device):  # PPO
+                ids, attn, rmask = collate([rollout.prompt_ids[i] for i in mb], [rollout.response_ids[i] for i in mb],
+                                           pad_id, device)  # PPO
+                values_BT = critic(ids, attn, rmask).cpu()  # PPO
+                for row, i in enumerate(mb):  # PPO
                     old_values[i] = values_BT[row, :resp_lens[i]]  # PPO
         t_recompute = time.perf_counter() - t0
         mem.update(phase_memory(device, "recompute"))
@@ -552,12 +555,13 @@ def main(args: Args) -> None:
                     first_entropy += ent_BT.detach()[rmask].sum()
                     first_logp.update((i, row[:resp_lens[i]]) for i, row in zip(idx, logp_BT.detach().cpu()))
                 old_BT, mu_BT = to_device(old_all[idx, :Tm], device), to_device(mu_all[idx, :Tm], device)
+                adv_mb = to_device(adv_all[idx, :Tm], device)  # PPO: per-token advantages
                 # the rejection rules on pi_old/mu, or with --old-logp mu on pi_theta/mu (verl's bypass mode)
                 keep_BT, rej_mb = rejection_mask(old_BT if recompute else logp_BT.detach(),
                                                  logp_BT.detach(), mu_BT, None, rmask, rules)  # PPO: no opsm
                 weight_BT = torch.where(keep_BT, to_device(weight_all[idx, :Tm], device), 0.0)
-                loss, stats = policy_loss(logp_BT, old_BT, to_device(adv_all[idx, :Tm], device), weight_BT,
-                                          rmask, args.eps_low, args.eps_high, args.max_response_len, num_seqs_global)
+                loss, stats = policy_loss(logp_BT, old_BT, adv_mb, weight_BT, rmask, args.eps_low, args.eps_high,
+                                          args.max_response_len, num_seqs_global)
                 # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
                 scaler.scale_loss(loss * world_size).backward()
                 loss_sum += loss.detach()
@@ -575,7 +579,8 @@ def main(args: Args) -> None:
             skipped += was_skipped
             # PPO: the critic's step, with its own loss scaler (unscale -> clip -> step or skip -> update)
             critic_grad_norms.append(critic_scaler.step(critic_params, critic_optimizer, args.max_grad_norm)[0])
-            if scaler.fault or critic_scaler.fault:
+            scaler.fault = scaler.fault or critic_scaler.fault  # PPO: a fault of the critic stops the run too
+            if scaler.fault:
                 break  # no more updates from this batch; the run stops after logging it
         t_train = time.perf_counter() - t0
         mem.update(phase_memory(device, "train"))
@@ -616,10 +621,9 @@ def main(args: Args) -> None:
         logger.log(metrics, step)
         if warning:
             print0(warning)
-        fault = scaler.fault or critic_scaler.fault  # PPO: the critic's loss scaler too
-        if fault:  # a skipped step left the weights untouched: they are the last good state; keep it and stop
+        if scaler.fault:  # a skipped step left the weights untouched: they are the last good state; keep it and stop
             save(step)
-            raise TrainingFault(f"step {step}: {fault}; the last good state is saved in {ckpt_root}")
+            raise TrainingFault(f"step {step}: {scaler.fault}; the last good state is saved in {ckpt_root}")
 
         if args.eval_every and step % args.eval_every == 0 and step < args.num_steps:
             run_eval(step)
