@@ -162,10 +162,13 @@ def test_trainer_step_runs_grpos_own_loss(tmp_path, process_group, monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_vllm_generate_on_grpo_batches(tmp_path):
-    """The standalone engine on grpo.py's first batches: one row per batch, both timings, the right sequence count."""
-    run(["--only", "vllm_generate", "--precisions", "fp32", "--rl-steps", "2", "--rl-max-response-len", "8",
-         "--name", "gen"], tmp_path)
+    """The standalone engine on grpo.py's first batches: one row per batch, both timings, the right sequence count;
+    and the sampler section's VLLMSampler (another subprocess): tokens/s per batch size and the weight sync."""
+    run(["--only", "sampler,vllm_generate", "--sampler-variants", "vllm", "--sampler-precision", "fp32",
+         "--precisions", "fp32", "--rl-steps", "2", "--rl-max-response-len", "8", "--name", "gen"], tmp_path)
     data, md = load(tmp_path, "gen")
+    assert [(r["sampler"], r["batch"]) for r in data["sampler"]] == [("VLLMSampler", 4), ("VLLMSampler", 8)]
+    assert all(r["tok_s"] > 0 for r in data["sampler"]) and data["sync"][0]["sampler"] == "VLLMSampler"
     rows = data["vllm_generate"]
     assert [r["batch"] for r in rows] == [1, 2] and all(r["sequences"] == 4 * 2 for r in rows)
     assert all(r["llm_generate_tokens"] > 0 and r["sampler_generate_tok_s"] > 0 for r in rows)
