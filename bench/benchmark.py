@@ -1,10 +1,10 @@
 """Throughput and memory of the trainer and the samplers on one GPU, on randomly initialised models of real shapes.
 
-Everything runs as the scripts run it: the trainer is common.fsdp.load_policy (FSDP2, fp32 master weights) with the
-chunked fp32 log-prob head, common.precision.LossScaler and AdamW, in micro-batches cut by a token budget (grpo.py
-steps 3 and 5, with grpo.py's own drgrpo_advantages and policy_loss); the samplers are common.hf_sampler.HFSampler
-and common.vllm_sampler.VLLMSampler; the weight sync is `sampler.load_weights(iter_full_state(...))` (grpo.py
-step 6). Sections (--only, comma-separated):
+It times the scripts' own code: the trainer is common.fsdp.load_policy (FSDP2, fp32 master weights, the chunked fp32
+log-prob head) with common.precision.LossScaler and AdamW; step 3 is common.logprobs.recompute_logprobs, step 5 grpo.py's
+loop with its own drgrpo_advantages and policy_loss, in micro-batches cut by common.batches.micro_batches; the samplers
+are common.hf_sampler.HFSampler and common.vllm_sampler.VLLMSampler; the weight sync is
+`sampler.load_weights(iter_full_state(...))` (step 6). Sections (--only, comma-separated):
 
   matmul          TFLOP/s of large fp16 and bf16 matmuls: the denominator of the MFU figures
   trainer         tokens/s of the recompute (no-grad forward, grpo.py step 3) and of training (forward, backward,
@@ -13,29 +13,23 @@ step 6). Sections (--only, comma-separated):
   sampler         generated tokens/s at batch 64 and 256: HFSampler (CUDA-graph decoding), transformers'
                   generate, VLLMSampler (in a subprocess: one vLLM engine per process)
   sync            trainer -> sampler weight sync time, and the sampler's log-probs against the trainer's after a sync
-  rl_step         grpo.py --sampler vllm for a few steps: time per phase from metrics.jsonl, on the random model and
-                  synthetic prompts, or on a real model and dataset (--rl-model, --rl-dataset); --rl-runs runs it
-                  several times side by side (other flags, or an older checkout of the code: before/after)
-  vllm_generate   the same vLLM engine standalone on grpo.py's first batches (same prompts, seed and settings):
-                  llm.generate against VLLMSampler.generate, and sleep/wake at level 1 (what rl_step's sampling
-                  phase should come close to)
+  rl_step         grpo.py for a few steps: time per phase from metrics.jsonl, on the random model and synthetic
+                  prompts or on a real model and dataset (--rl-model, --rl-dataset); --rl-runs runs it several times
+                  one after the other (other flags, or an older checkout of the code: before/after)
+  vllm_generate   the same vLLM engine standalone on grpo.py's first batches: llm.generate against
+                  VLLMSampler.generate, and sleep/wake at level 1 (what rl_step's sampling phase should come close to)
   (rl_step and vllm_generate are not in the default set: they take minutes)
 
     python bench/benchmark.py --shape 1.5b --only matmul,trainer,logprob_memory,sync --out-dir $OUT
-    python bench/benchmark.py --shape 1.5b --only sampler --out-dir $OUT
     torchrun --nproc_per_node 2 bench/benchmark.py --shape 1.5b --only trainer --name 1.5b_2gpu
     python bench/benchmark.py --render a.json b.json --name all      # one Markdown table from several runs
     python bench/benchmark.py --shape tiny                           # everything on a CPU in seconds (the test)
-    python bench/benchmark.py --only rl_step,vllm_generate --rl-model DIR --rl-dataset train.jsonl \
-        --rl-runs "before@../old-checkout:" "after:" "after_eager:--no-compile" --name real   # side by side
 
 Results go to <out-dir>/<name>.json and .md, rewritten after every measurement (a run cut short keeps what it
-finished); sections already in that JSON and not run again are kept. It imports grpo.py's loss, so it needs the
-scripts' requirements (requirements.txt, tyro among them).
+finished); sections already in that JSON and not run again are kept. More in bench/README.md.
 """
 import argparse
 import datetime
-import functools
 import gc
 import importlib.metadata
 import importlib.util
@@ -53,12 +47,13 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import grpo  # noqa: E402  (its step 5's functions, timed as grpo.py runs them; importing it has no side effects)
+from common.batches import micro_batches  # noqa: E402
 from common.dist import print0, setup_distributed  # noqa: E402
 from common.fsdp import iter_full_state, load_policy  # noqa: E402
-import grpo  # noqa: E402  (its loss and advantages, timed as grpo.py runs them; importing it has no side effects)
 from common.hf_sampler import HFSampler  # noqa: E402
-from common.logprobs import chunked_logprobs, collate, pad_float, split_microbatches, to_device  # noqa: E402
-from common.metrics import mismatch_stats  # noqa: E402
+from common.logprobs import chunked_logprobs, collate, pad_float, recompute_logprobs, to_device  # noqa: E402
+from common.metrics import add_sums, mismatch_stats  # noqa: E402
 from common.precision import DTYPES, LossScaler  # noqa: E402
 
 # Qwen2.5 layer shapes (random weights, std 0.02), and SmolLM2-135M's (the real model's) in the same layout; "tiny"
@@ -87,7 +82,6 @@ ALL_SECTIONS = DEFAULT_SECTIONS + ["rl_step", "vllm_generate"]
 ALPHANUMERIC = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 SAMPLER_VARIANTS = ["graph", "eager_static", "dynamic", "hf_generate", "vllm"]
 GIB = 2**30
-
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
@@ -142,8 +136,7 @@ def parse_args(argv=None):
                          "grpo.py flags")
     # other modes
     ap.add_argument("--render", nargs="+", metavar="JSON", help="only render these result files into <name>.md")
-    ap.add_argument("--vllm-child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--vllm-generate-child", help=argparse.SUPPRESS)
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # (a vLLM subprocess of this script: its settings, JSON)
     args = ap.parse_args(argv)
     for key, value in PRESETS["tiny" if args.shape == "tiny" else "real"].items():
         if getattr(args, key) is None:
@@ -229,6 +222,15 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def timed(fn, *args, **kwargs):
+    """(fn(*args, **kwargs), its seconds), the GPU's queued work included."""
+    sync()
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    sync()
+    return out, time.perf_counter() - t0
 
 
 def free_memory() -> None:
@@ -321,13 +323,17 @@ class Results:
         self.write()
 
     def write(self) -> None:
-        if not self.enabled:
-            return
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        with open(self.path + ".json", "w") as f:
-            json.dump(self.data, f, indent=1)
-        with open(self.path + ".md", "w") as f:
-            f.write(render_markdown(self.data))
+        if self.enabled:
+            write_results(self.path, self.data)
+
+
+def write_results(path: str, data: dict) -> None:
+    """<path>.json and its Markdown tables, <path>.md."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".json", "w") as f:
+        json.dump(data, f, indent=1)
+    with open(path + ".md", "w") as f:
+        f.write(render_markdown(data))
 
 
 def environment(world_size: int, shape: str, n_params: int | None) -> dict:
@@ -353,31 +359,17 @@ def bench_matmul(res: Results, n: int, device) -> dict:
     peaks = {}
     res.start("matmul", [])
     for name in ("fp16", "bf16"):
-        a = torch.randn(n, n, device=device, dtype=DTYPES[name])
-        b = torch.randn(n, n, device=device, dtype=DTYPES[name])
-        for _ in range(3):
-            a @ b
-        best = float("inf")
-        for _ in range(5):
-            sync()
-            t0 = time.perf_counter()
+        a, b = (torch.randn(n, n, device=device, dtype=DTYPES[name]) for _ in range(2))
+
+        def ten():
             for _ in range(10):
                 a @ b
-            sync()
-            best = min(best, (time.perf_counter() - t0) / 10)
-        tflops = 2 * n**3 / best / 1e12
-        peaks[name] = tflops
+        ten()
+        best = min(timed(ten)[1] for _ in range(5)) / 10
+        peaks[name] = tflops = 2 * n**3 / best / 1e12
         res.add("matmul", {"dtype": name, "n": n, "tflops": float(f"{tflops:.4g}")})
         print0(f"[{now()}] matmul {name} {n}^3: {tflops:.1f} TFLOP/s")
         del a, b
-    return peaks
-
-
-def matmul_peaks(res: Results, args, device) -> dict:
-    rows = res.data.get("matmul") or []
-    peaks = {r["dtype"]: r["tflops"] for r in rows}
-    if not {"fp16", "bf16"} <= set(peaks):
-        peaks = bench_matmul(res, args.matmul_n, device)
     return peaks
 
 
@@ -385,55 +377,46 @@ def matmul_peaks(res: Results, args, device) -> dict:
 # trainer
 
 def trainer_step(model, params, optimizer, scaler, prompts, responses, args, pad_id, device, world_size):
-    """One RL step's trainer work, as grpo.py's main does it and with its own functions: recompute old_logp and the
-    entropy without gradients (step 3), then num_minibatches optimizer steps over micro-batches cut by the token
-    budget (step 5) with grpo.py's drgrpo_advantages and policy_loss, so that a change of the loss is timed as it
-    runs. Rewards alternate 1, 0 (groups of 2); the weights are those of --is-correction none (1): the arithmetic
-    does not depend on the values. Returns (seconds recompute, seconds train, peak GiB recompute, peak GiB train)."""
+    """One RL step's trainer work as grpo.py's main runs it, with the scripts' own functions: step 3 is
+    recompute_logprobs (old_logp and the entropy, no gradients); step 5 is num_minibatches optimizer steps over
+    micro-batches cut by the token budget, with grpo.py's drgrpo_advantages and policy_loss, so that a change of the
+    loss is timed as it runs (step 5's loop is grpo.py's own, written inline there). Rewards alternate 1, 0 (groups
+    of 2); the weights are those of --is-correction none (1): the arithmetic does not depend on the values. Returns
+    (seconds recompute, seconds train, peak GiB recompute, peak GiB train)."""
     seq_lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    resp_lens = [len(r) for r in responses]
-    sync()
     reset_peak()
-    t0 = time.perf_counter()
-    old_logp = [None] * len(seq_lens)
-    with torch.no_grad():
-        for mb in split_microbatches(seq_lens, args.micro_batch_tokens):
-            ids, attn, rmask = collate([prompts[i] for i in mb], [responses[i] for i in mb], pad_id, device)
-            logp_BT, ent_BT = model(ids, attn, rmask, 1.0, args.logprob_chunk, with_entropy=True)
-            ent_BT[rmask].sum().item()  # (grpo.py adds up the entropy, reading it once per micro-batch)
-            logp_BT = logp_BT.cpu()
-            for row, i in enumerate(mb):
-                old_logp[i] = logp_BT[row, :resp_lens[i]]
-    sync()
-    t_recompute, mem_recompute = time.perf_counter() - t0, peak_gib()
+    (old_logp, _), t_recompute = timed(recompute_logprobs, model, prompts, responses,
+                                       micro_batches(seq_lens, args.micro_batch_tokens, device), pad_id, 1.0,
+                                       args.logprob_chunk, device)
+    mem_recompute = peak_gib()
 
-    reset_peak()
-    t0 = time.perf_counter()
-    model.train()
-    T = max(resp_lens)
-    old_all = pad_float(old_logp, T, "cpu")
-    adv_B = grpo.drgrpo_advantages((torch.arange(len(seq_lens)) % 2 == 0).float(), 2)
-    weight_all = torch.ones_like(old_all)
-    seqs_per_mb = len(seq_lens) // args.num_minibatches
-    loss_sum, pol = 0.0, {}
-    for k in range(args.num_minibatches):
-        mb_idx = list(range(k * seqs_per_mb, (k + 1) * seqs_per_mb))
-        for micro in split_microbatches([seq_lens[i] for i in mb_idx], args.micro_batch_tokens):
-            idx = [mb_idx[j] for j in micro]
-            ids, attn, rmask = collate([prompts[i] for i in idx], [responses[i] for i in idx], pad_id, device)
-            Tm = rmask.shape[1]
-            logp_BT, _ = model(ids, attn, rmask, 1.0, args.logprob_chunk)
-            loss, stats = grpo.policy_loss(logp_BT, to_device(old_all[idx, :Tm], device), to_device(adv_B[idx], device),
-                                           to_device(weight_all[idx, :Tm], device), rmask, 0.2, 0.28, T,
-                                           seqs_per_mb * world_size)
-            scaler.scale_loss(loss * world_size).backward()
-            loss_sum += loss.detach()
-            pol = {key: pol.get(key, 0.0) + v for key, v in stats.items()}
-        scaler.step(params, optimizer, 1.0)
-    loss_sum, pol = float(loss_sum), {key: float(v) for key, v in pol.items()}  # read once per step, as grpo.py does
+    def train():
+        model.train()
+        T = max(map(len, responses))
+        old_all = pad_float(old_logp, T, "cpu")
+        adv_B = grpo.drgrpo_advantages((torch.arange(len(seq_lens)) % 2 == 0).float(), 2)
+        weight_all = torch.ones_like(old_all)
+        seqs_per_mb = len(seq_lens) // args.num_minibatches
+        loss_sum, pol = 0.0, {}
+        for k in range(args.num_minibatches):
+            mb_idx = list(range(k * seqs_per_mb, (k + 1) * seqs_per_mb))
+            for micro in micro_batches([seq_lens[i] for i in mb_idx], args.micro_batch_tokens, device):
+                idx = [mb_idx[j] for j in micro]
+                ids, attn, rmask = collate([prompts[i] for i in idx], [responses[i] for i in idx], pad_id, device)
+                Tm = rmask.shape[1]
+                logp_BT, _ = model(ids, attn, rmask, 1.0, args.logprob_chunk)
+                loss, stats = grpo.policy_loss(logp_BT, to_device(old_all[idx, :Tm], device),
+                                               to_device(adv_B[idx], device), to_device(weight_all[idx, :Tm], device),
+                                               rmask, 0.2, 0.28, T, seqs_per_mb * world_size)
+                scaler.scale_loss(loss * world_size).backward()
+                loss_sum += loss.detach()
+                add_sums(pol, stats)
+            scaler.step(params, optimizer, 1.0)
+        return float(loss_sum), {key: float(v) for key, v in pol.items()}  # read once per step, as grpo.py does
     # (no model.eval(): grpo.py's model stays in train mode, and a compiled layer would recompile for the other mode)
-    sync()
-    return t_recompute, time.perf_counter() - t0, mem_recompute, peak_gib()
+    reset_peak()
+    _, t_train = timed(train)
+    return t_recompute, t_train, mem_recompute, peak_gib()
 
 
 def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, world_size):
@@ -443,7 +426,6 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
     res.data.pop("trainer_ratio", None)
     res.start("trainer", [])
     compiled = args.compile == "on" and device.type == "cuda"  # (load_policy compiles on a GPU only)
-    pad_id = SHAPES[args.shape]["vocab_size"] - 1
     V = SHAPES[args.shape]["vocab_size"]
     for precision in args.precisions:
         model = optimizer = params = None
@@ -457,15 +439,16 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
                 prompts = random_prompts(args.num_seqs, args.prompt_len, V, args.seed + 1000 * rank)
                 responses = random_prompts(args.num_seqs, resp_len, V, args.seed + 1000 * rank + 1)
                 tokens = args.num_seqs * (args.prompt_len + resp_len)  # per rank, no padding (equal lengths)
-                n_micro = len(split_microbatches([args.prompt_len + resp_len] * (args.num_seqs // args.num_minibatches),
-                                                 args.micro_batch_tokens)) * args.num_minibatches
+                n_micro = len(micro_batches([args.prompt_len + resp_len] * (args.num_seqs // args.num_minibatches),
+                                            args.micro_batch_tokens, device)) * args.num_minibatches
                 row = {"precision": precision, "prompt": args.prompt_len, "response": resp_len,
                        "seqs": args.num_seqs, "tokens": tokens, "micro_batches": n_micro,
                        "micro_batch_tokens": args.micro_batch_tokens, "grad_ckpt": args.gradient_checkpointing,
-                       "compile": "on" if compiled else "off",
-                       "ranks": world_size}
-                step = functools.partial(trainer_step, model, params, optimizer, scaler, prompts, responses, args,
-                                         pad_id, device, world_size)
+                       "compile": "on" if compiled else "off", "ranks": world_size}
+
+                def step():
+                    return trainer_step(model, params, optimizer, scaler, prompts, responses, args, V - 1, device,
+                                        world_size)
                 try:
                     print0(f"[{now()}] trainer {precision} {args.num_seqs} x ({args.prompt_len}+{resp_len}): warm-up")
                     step()
@@ -478,8 +461,7 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
                     free_memory()
                     res.add("trainer", row)
                     continue
-                t_rec = sum(t[0] for t in times) / len(times)
-                t_train = sum(t[1] for t in times) / len(times)
+                t_rec, t_train = (sum(t[j] for t in times) / len(times) for j in (0, 1))
                 peak = peaks.get(precision, 0) * 1e12
                 row.update(recompute_s=round(t_rec, 3), train_s=round(t_train, 3), step_s=round(t_rec + t_train, 3),
                            recompute_tok_s=round(tokens / t_rec), train_tok_s=round(tokens / t_train),
@@ -508,9 +490,8 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
             model = optimizer = params = None
             free_memory()
     # what FP16's loss scaling costs: fp16 step time over bf16 step time at the same response length
-    rows = [r for r in res.data["trainer"] if "step_s" in r]
     for resp_len in args.response_lens:
-        by = {r["precision"]: r["step_s"] for r in rows if r["response"] == resp_len}
+        by = {r["precision"]: r["step_s"] for r in res.data["trainer"] if "step_s" in r and r["response"] == resp_len}
         if "fp16" in by and "bf16" in by:
             res.add("trainer_ratio", {"response": resp_len, "fp16_over_bf16": round(by["fp16"] / by["bf16"], 3)})
 
@@ -519,9 +500,9 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
 # log-prob memory
 
 def bench_logprob_memory(res: Results, args, device):
-    """Peak memory of log-probs of N tokens over the shape's vocabulary with common.logprobs.chunked_logprobs, in chunks
-    of --logprob-chunk tokens against one chunk of all N (the full fp32 logits at once, what --logprob-chunk >= N
-    gives), with gradients (training) and without (the recompute, with entropy)."""
+    """Peak memory of log-probs of N tokens over the shape's vocabulary with common.logprobs.chunked_logprobs, in
+    chunks of --logprob-chunk tokens against one chunk of all N (the full fp32 logits at once, what --logprob-chunk
+    >= N gives), with gradients (training) and without (the recompute, with entropy)."""
     res.start("logprob_memory", [])
     H, V = SHAPES[args.shape]["hidden_size"], SHAPES[args.shape]["vocab_size"]
     N, dtype = args.logprob_tokens, DTYPES[args.precisions[0]]
@@ -529,35 +510,27 @@ def bench_logprob_memory(res: Results, args, device):
     hidden = torch.randn(N, H, device=device, dtype=dtype, generator=g).requires_grad_()
     weight = (torch.randn(V, H, device=device, dtype=dtype, generator=g) * 0.02).requires_grad_()
     targets = torch.randint(0, V, (N,), device=device, generator=g)
-    cases = {
-        "chunked": lambda ent: chunked_logprobs(hidden, weight, targets, 1.0, args.logprob_chunk, with_entropy=ent),
-        "full logits": lambda ent: chunked_logprobs(hidden, weight, targets, 1.0, N, with_entropy=ent),
-    }
-    for mode in ("forward+backward", "no-grad forward with entropy"):
-        for name, fn in cases.items():
+
+    def forward_backward(chunk):
+        chunked_logprobs(hidden, weight, targets, 1.0, chunk)[0].sum().backward()
+
+    def no_grad_forward(chunk):
+        with torch.no_grad():
+            chunked_logprobs(hidden, weight, targets, 1.0, chunk, with_entropy=True)
+    for mode, fn in (("forward+backward", forward_backward), ("no-grad forward with entropy", no_grad_forward)):
+        for name, chunk in (("chunked", args.logprob_chunk), ("full logits", N)):
             free_memory()
             reset_peak()
             base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
             row = {"method": name, "mode": mode, "tokens": N, "vocab": V, "dtype": args.precisions[0],
-                   "chunk": args.logprob_chunk if name == "chunked" else N,
-                   "full_fp32_logits_gib": round(N * V * 4 / GIB, 2)}
+                   "chunk": chunk, "full_fp32_logits_gib": round(N * V * 4 / GIB, 2)}
             try:
-                sync()
-                t0 = time.perf_counter()
-                if mode == "forward+backward":
-                    lp, _ = fn(False)
-                    lp.sum().backward()
-                else:
-                    with torch.no_grad():
-                        lp, ent = fn(True)
-                sync()
-                row["time_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+                row["time_ms"] = round(timed(fn, chunk)[1] * 1000, 1)
                 if torch.cuda.is_available():
                     row["peak_extra_gib"] = round((torch.cuda.max_memory_allocated() - base) / GIB, 2)
             except torch.cuda.OutOfMemoryError:
                 row["error"] = "OOM"
             hidden.grad = weight.grad = None  # (the memory comes back at the next section's free_memory())
-            lp = ent = None
             res.add("logprob_memory", row)
             print0(f"[{now()}] log-probs {name}, {mode}: {row.get('peak_extra_gib', '-')} GiB, "
                    f"{row.get('time_ms', row.get('error'))} ms")
@@ -571,11 +544,8 @@ def bench_logprob_memory(res: Results, args, device):
 # samplers
 
 def timed_generate(sampler, prompts, new_tokens):
-    sync()
-    t0 = time.perf_counter()
-    out = sampler.generate(prompts, 1, new_tokens, 1.0)
-    sync()
-    return time.perf_counter() - t0, sum(map(len, out.response_ids))
+    out, seconds = timed(sampler.generate, prompts, 1, new_tokens, 1.0)
+    return seconds, sum(map(len, out.response_ids))
 
 
 def decode_path(sampler) -> str:
@@ -589,10 +559,7 @@ def hf_generate_tokens(model, prompts, new_tokens, eos_id, device) -> int:
     ids = torch.tensor(prompts, device=device)  # equal lengths: no padding
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                          max_new_tokens=new_tokens)[:, ids.shape[1]:]
-    n = 0
-    for row in out.tolist():
-        n += row.index(eos_id) + 1 if eos_id in row else len(row)
-    return n
+    return sum(row.index(eos_id) + 1 if eos_id in row else len(row) for row in out.tolist())
 
 
 def bench_sampler(res: Results, args, model_dir, device):
@@ -605,8 +572,7 @@ def bench_sampler(res: Results, args, model_dir, device):
 
     # vLLM first, in a subprocess, while this process holds no GPU memory (one sleep-mode engine per process)
     if "vllm" in args.sampler_variants:
-        vllm_rows = run_vllm_child(res, args, model_dir)
-        for r in vllm_rows:
+        for r in run_vllm_child(res, args, model_dir):
             res.add("sampler", {**base, **r})
 
     for variant in [v for v in args.sampler_variants if v in ("graph", "eager_static", "dynamic")]:
@@ -617,9 +583,8 @@ def bench_sampler(res: Results, args, model_dir, device):
               "dynamic": dict(static_cache=False, cuda_graph=False)}[variant]
         sampler = HFSampler(model_dir, dtype, device, seed=args.seed, batch_size=max(args.batch_sizes), **kw)
         for B in args.batch_sizes:
-            print0(f"[{now()}] HFSampler ({variant}) batch {B}: first call")
+            print0(f"[{now()}] HFSampler ({variant}) batch {B}: first call, then the timed one")
             t1, _ = timed_generate(sampler, prompts[:B], args.new_tokens)
-            print0(f"[{now()}] HFSampler ({variant}) batch {B}: second call")
             t2, n = timed_generate(sampler, prompts[:B], args.new_tokens)
             row = {**base, "sampler": f"HFSampler ({variant})", "path": decode_path(sampler), "batch": B,
                    "tokens": n, "first_call_s": round(t1, 2), "s": round(t2, 2), "tok_s": round(n / t2)}
@@ -635,14 +600,9 @@ def bench_sampler(res: Results, args, model_dir, device):
     if "hf_generate" in args.sampler_variants:
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-        eos_id = V - 2
         for B in args.batch_sizes:
-            hf_generate_tokens(model, prompts[:B], 4, eos_id, device)  # warm-up
-            sync()
-            t0 = time.perf_counter()
-            n = hf_generate_tokens(model, prompts[:B], args.new_tokens, eos_id, device)
-            sync()
-            dt = time.perf_counter() - t0
+            hf_generate_tokens(model, prompts[:B], 4, V - 2, device)  # warm-up
+            n, dt = timed(hf_generate_tokens, model, prompts[:B], args.new_tokens, V - 2, device)
             hf_speed[B] = n / dt
             res.add("sampler", {**base, "sampler": "transformers generate", "path": "generate(do_sample=True)",
                                 "batch": B, "tokens": n, "s": round(dt, 2), "tok_s": round(n / dt)})
@@ -679,64 +639,78 @@ def graph_vs_eager_check(res: Results, args, model_dir, graph_sampler, prompts, 
     eager.shutdown()
 
 
-def run_vllm_child(res: Results, args, model_dir) -> list[dict]:
-    """VLLMSampler throughput and sync time, measured by this script in a subprocess (--vllm-child)."""
-    if importlib.util.find_spec("vllm") is None:
-        res.note("sampler: vLLM is not importable here, so no vLLM figures")
-        return []
-    cmd = [sys.executable, os.path.abspath(__file__), "--vllm-child", "--shape", args.shape, "--model-dir", model_dir,
-           "--sampler-precision", args.sampler_precision, "--prompt-len", str(args.prompt_len),
-           "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--new-tokens", str(args.new_tokens),
-           "--seed", str(args.seed), "--vllm-gpu-memory-utilization", str(args.vllm_gpu_memory_utilization)]
+def sync_seconds(sampler, trainer, dtype, device) -> float:
+    """Mean seconds of 3 weight syncs trainer -> sampler, as the scripts' step 6 runs them."""
+    return sum(timed(lambda: sampler.load_weights(iter_full_state(trainer.lm, dtype, device)))[1]
+               for _ in range(3)) / 3
+
+
+def stream(cmd: list[str], cwd: str, on_line) -> tuple[int, list[str]]:
+    """Runs cmd (without torchrun's variables: it is a process group of its own), calling on_line on each line of its
+    output as it comes. Returns (its exit status, its last 8 lines)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT")}
-    print0(f"[{now()}] vLLM: starting the engine in a subprocess")
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    result, tail = None, []
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail = []
     for line in p.stdout:
-        tail = (tail + [line.rstrip()])[-40:]
+        tail = (tail + [line.rstrip()])[-8:]
+        on_line(line.rstrip())
+    return p.wait(), tail
+
+
+def run_child(res: Results, section: str, spec: dict, on_line) -> bool:
+    """This file again in a subprocess (--child: one vLLM engine per process); a note with its last lines if it
+    fails."""
+    if importlib.util.find_spec("vllm") is None:
+        res.note(f"{section}: vLLM is not importable here, so no vLLM figures")
+        return False
+    print0(f"[{now()}] {section}: starting the vLLM engine in a subprocess")
+    code, tail = stream([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)], ROOT, on_line)
+    if code:
+        res.note(f"{section}: the vLLM subprocess failed (exit {code}); its last lines: " + " | ".join(tail))
+    return code == 0
+
+
+def run_vllm_child(res: Results, args, model_dir) -> list[dict]:
+    """VLLMSampler throughput and sync time, measured by vllm_sampler_child."""
+    spec = {"kind": "sampler", "model_dir": model_dir, "vocab": SHAPES[args.shape]["vocab_size"], "seed": args.seed,
+            **{k: getattr(args, k) for k in ("sampler_precision", "prompt_len", "batch_sizes", "new_tokens",
+                                             "vllm_gpu_memory_utilization")}}
+    result = {}
+
+    def on_line(line):
         if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT "):])
+            result.update(json.loads(line[len("RESULT "):]))
         elif line.startswith("[vllm-child]"):
-            print0(line.rstrip())
-    p.wait()
-    if p.returncode != 0 or result is None:
-        res.note(f"sampler: the vLLM subprocess failed (exit {p.returncode}); its last lines: " + " | ".join(tail[-8:]))
+            print0(line)
+    if not run_child(res, "sampler", spec, on_line) or not result:
         return []
-    if result.get("sync_s") is not None:
-        res.add("sync", {"sampler": "VLLMSampler", "precision": args.sampler_precision, "s": result["sync_s"]})
+    res.add("sync", {"sampler": "VLLMSampler", "precision": args.sampler_precision, "s": result["sync_s"]})
     return result["rows"]
 
 
-def vllm_child(args) -> None:
+def vllm_sampler_child(spec: dict) -> None:
     from common.vllm_sampler import VLLMSampler
     _, _, device = setup_distributed()
-    V = SHAPES[args.shape]["vocab_size"]
-    prompts = random_prompts(max(args.batch_sizes), args.prompt_len, V, args.seed + 7)
-    t0 = time.perf_counter()
-    sampler = VLLMSampler(args.model_dir, args.sampler_precision, seed=args.seed,
-                          max_model_len=args.prompt_len + args.new_tokens, tp=1,
-                          gpu_memory_utilization=args.vllm_gpu_memory_utilization, sleep_level=0)
-    print(f"[vllm-child] engine started in {time.perf_counter() - t0:.0f}s", flush=True)
+    prompts = random_prompts(max(spec["batch_sizes"]), spec["prompt_len"], spec["vocab"], spec["seed"] + 7)
+    sampler, t = timed(VLLMSampler, spec["model_dir"], spec["sampler_precision"], seed=spec["seed"],
+                       max_model_len=spec["prompt_len"] + spec["new_tokens"], tp=1,
+                       gpu_memory_utilization=spec["vllm_gpu_memory_utilization"], sleep_level=0)
+    print(f"[vllm-child] engine started in {t:.0f}s", flush=True)
     sampler.generate(prompts[:4], 1, 8, 1.0)  # warm-up
     rows = []
-    for B in args.batch_sizes:
-        t1, _ = timed_generate(sampler, prompts[:B], args.new_tokens)
-        t2, n = timed_generate(sampler, prompts[:B], args.new_tokens)
+    for B in spec["batch_sizes"]:
+        t1, _ = timed_generate(sampler, prompts[:B], spec["new_tokens"])
+        t2, n = timed_generate(sampler, prompts[:B], spec["new_tokens"])
         rows.append({"sampler": "VLLMSampler", "path": "vLLM", "batch": B, "tokens": n, "first_call_s": round(t1, 2),
                      "s": round(t2, 2), "tok_s": round(n / t2)})
         print(f"[vllm-child] batch {B}: {n / t2:.0f} tok/s ({n} tokens, {t2:.1f}s)", flush=True)
-    trainer = load_policy(args.model_dir, DTYPES[args.sampler_precision], device, gradient_checkpointing=False)
-    times = []
-    for _ in range(3):
-        sync()
-        t0 = time.perf_counter()
-        sampler.load_weights(iter_full_state(trainer.lm, DTYPES[args.sampler_precision], device))
-        sync()
-        times.append(time.perf_counter() - t0)
-    print(f"[vllm-child] weight sync {min(times):.3f}s (best of 3)", flush=True)
+    dtype = DTYPES[spec["sampler_precision"]]
+    trainer = load_policy(spec["model_dir"], dtype, device, gradient_checkpointing=False)
+    t = sync_seconds(sampler, trainer, dtype, device)
+    print(f"[vllm-child] weight sync {t:.3f}s (mean of 3)", flush=True)
     sampler.shutdown()
-    print("RESULT " + json.dumps({"rows": rows, "sync_s": round(sum(times) / len(times), 3)}), flush=True)
+    print("RESULT " + json.dumps({"rows": rows, "sync_s": round(t, 3)}), flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -752,15 +726,9 @@ def bench_sync(res: Results, args, model_dir, device):
     trainer = load_policy(model_dir, dtype, device, gradient_checkpointing=False)
     kw = {} if torch.cuda.is_available() else dict(static_cache=True)  # on a CPU, at least the static cache
     sampler = HFSampler(model_dir, dtype, device, seed=args.seed, batch_size=64, **kw)
-    times = []
-    for _ in range(3):
-        sync()
-        t0 = time.perf_counter()
-        sampler.load_weights(iter_full_state(trainer.lm, dtype, device))
-        sync()
-        times.append(time.perf_counter() - t0)
-    res.add("sync", {"sampler": "HFSampler", "precision": args.sampler_precision, "s": round(sum(times) / 3, 3)})
-    print0(f"[{now()}] HFSampler weight sync: {sum(times) / 3:.3f}s")
+    t = sync_seconds(sampler, trainer, dtype, device)
+    res.add("sync", {"sampler": "HFSampler", "precision": args.sampler_precision, "s": round(t, 3)})
+    print0(f"[{now()}] HFSampler weight sync: {t:.3f}s")
     prompts = random_prompts(16, args.prompt_len, V, args.seed + 3)
     for when in ("before", "after"):
         if when == "after":  # new trainer weights, pushed to the sampler
@@ -787,7 +755,7 @@ def bench_sync(res: Results, args, model_dir, device):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# a whole RL step: grpo.py --sampler vllm
+# a whole RL step: grpo.py itself
 
 def rl_task(args, model_dir) -> tuple[str, str]:
     """(model directory, training file) of rl_step and vllm_generate: --rl-model / --rl-dataset, else the random
@@ -805,15 +773,6 @@ def rl_task(args, model_dir) -> tuple[str, str]:
     return args.rl_model or model_dir, data
 
 
-def rl_flags(args, model, data) -> list[str]:
-    """grpo.py's flags for rl_step, and the settings vllm_generate copies."""
-    return ["--model", model, "--dataset", data, "--sampler", args.rl_sampler, "--num-steps", str(args.rl_steps),
-            "--num-prompts", str(args.rl_num_prompts), "--group-size", str(args.rl_group_size),
-            "--max-response-len", str(args.rl_max_response_len), "--max-prompt-len", str(args.rl_max_prompt_len),
-            "--eval-every", "0", "--save-every", "0", "--precision", args.precisions[0], "--reward", args.rl_reward,
-            "--prompt-template", args.rl_prompt_template, "--seed", str(args.seed)]
-
-
 def bench_rl_step(res: Results, args, model_dir):
     """grpo.py for a few steps per --rl-runs entry, one after the other on the same GPU, then time/* (and mem/*,
     perf/*) per step from its metrics.jsonl. Runs from another checkout (LABEL@DIR) use that code: a before/after
@@ -821,11 +780,15 @@ def bench_rl_step(res: Results, args, model_dir):
     model, data = rl_task(args, model_dir)
     res.start("rl_step", {"runs": []})
     keep = ("step", "time/", "mem/", "perf/", "train/response_len_mean", "train/truncated_frac", "mismatch/kl_k3")
+    flags = ["--model", model, "--dataset", data, "--sampler", args.rl_sampler, "--num-steps", str(args.rl_steps),
+             "--num-prompts", str(args.rl_num_prompts), "--group-size", str(args.rl_group_size),
+             "--max-response-len", str(args.rl_max_response_len), "--max-prompt-len", str(args.rl_max_prompt_len),
+             "--eval-every", "0", "--save-every", "0", "--precision", args.precisions[0], "--reward", args.rl_reward,
+             "--prompt-template", args.rl_prompt_template, "--seed", str(args.seed)]
     for run in args.rl_runs:
         work = tempfile.mkdtemp(prefix="rl-bench-step-")
         metrics_path = os.path.join(work, "run", "metrics.jsonl")
-        cmd = [sys.executable, "grpo.py", *rl_flags(args, model, data), "--run-dir", os.path.join(work, "run"),
-               *run["args"]]
+        cmd = [sys.executable, "grpo.py", *flags, "--run-dir", os.path.join(work, "run"), *run["args"]]
         shown = " ".join(cmd[1:]).replace(model, "<model>").replace(data, "<prompts>").replace(work, "<tmp>")
         entry = {"label": run["label"], "code": "another checkout" if run["dir"] else "this checkout",
                  "command": shown, "steps": []}
@@ -834,33 +797,29 @@ def bench_rl_step(res: Results, args, model_dir):
         print0(f"[{now()}] rl_step {run['label']}: {' '.join(cmd[1:])}" + (f" (in {run['dir']})" if run["dir"] else ""))
 
         def read_steps() -> list[dict]:
-            if not os.path.isfile(metrics_path):
-                return []
             rows = []
-            with open(metrics_path) as f:
-                for line in f:
-                    try:
-                        rows.append(json.loads(line))
-                    except ValueError:  # a line being written
-                        pass
+            if os.path.isfile(metrics_path):
+                with open(metrics_path) as f:
+                    for line in f:
+                        try:
+                            rows.append(json.loads(line))
+                        except ValueError:  # a line being written
+                            pass
             return [{k: v for k, v in r.items() if k.startswith(keep)} for r in rows if "time/step" in r]
-
         t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, cwd=run["dir"] or ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        tail = []
-        for line in p.stdout:
-            tail = (tail + [line.rstrip()])[-40:]
+
+        def on_line(line):
             if line.startswith("[") or "error" in line.lower():
-                print0("  " + line.rstrip())
+                print0("  " + line)
             new = read_steps()  # recorded as they come: a run cut short (e.g. in the final checkpoint) keeps them
             if len(new) > len(entry["steps"]):
                 entry["steps"], entry["wall_s"] = new, round(time.perf_counter() - t0, 1)
                 res.write()
-        p.wait()
+        code, tail = stream(cmd, run["dir"] or ROOT, on_line)
         entry["wall_s"] = round(time.perf_counter() - t0, 1)
         entry["steps"] = read_steps()
-        if p.returncode != 0:
-            res.note(f"rl_step {run['label']}: grpo.py exited {p.returncode}; its last lines: " + " | ".join(tail[-8:]))
+        if code:
+            res.note(f"rl_step {run['label']}: grpo.py exited {code}; its last lines: " + " | ".join(tail))
         res.write()
         for st in entry["steps"]:
             print0(f"[{now()}] rl_step {run['label']} step {st.get('step')}: " + ", ".join(
@@ -885,34 +844,23 @@ def bench_vllm_generate(res: Results, args, model_dir):
     """In a subprocess (one vLLM engine per process): the batches of grpo.py's first rl_steps steps (the same
     problems, template, order and seed), sampled by a VLLMSampler made as grpo.py makes it, timed as the engine's own
     llm.generate (the same SamplingParams) and as VLLMSampler.generate; then sleep() and wake_up() at level 1."""
-    if importlib.util.find_spec("vllm") is None:
-        res.note("vllm_generate: vLLM is not importable here")
-        return
     model, data = rl_task(args, model_dir)
     res.start("vllm_generate", [])
     res.data.pop("vllm_generate_profile", None)
-    cmd = [sys.executable, os.path.abspath(__file__), "--vllm-generate-child", json.dumps(
-        {"model": model, "data": data, "template": args.rl_prompt_template, "seed": args.seed,
-         "precision": args.precisions[0], "num_prompts": args.rl_num_prompts, "group_size": args.rl_group_size,
-         "max_prompt_len": args.rl_max_prompt_len, "max_response_len": args.rl_max_response_len,
-         "steps": args.rl_steps, "gpu_memory_utilization": args.vllm_gpu_memory_utilization,
-         "profile": f"{res.path}_profile_vllm_generate.txt" if args.profile and res.enabled else None})]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    print0(f"[{now()}] vllm_generate: starting the engine in a subprocess")
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    tail = []
-    for line in p.stdout:
-        tail = (tail + [line.rstrip()])[-40:]
+    spec = {"kind": "generate", "model": model, "data": data, "template": args.rl_prompt_template, "seed": args.seed,
+            "precision": args.precisions[0], "num_prompts": args.rl_num_prompts, "group_size": args.rl_group_size,
+            "max_prompt_len": args.rl_max_prompt_len, "max_response_len": args.rl_max_response_len,
+            "steps": args.rl_steps, "gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+            "profile": f"{res.path}_profile_vllm_generate.txt" if args.profile and res.enabled else None}
+
+    def on_line(line):
         if line.startswith("ROW "):
             res.add("vllm_generate", json.loads(line[len("ROW "):]))
-            print0(f"[{now()}] vllm_generate {line[4:].rstrip()}")
+            print0(f"[{now()}] vllm_generate {line[4:]}")
         elif line.startswith("PROFILE "):
             res.start("vllm_generate_profile", json.loads(line[len("PROFILE "):]))
-            print0(f"[{now()}] vllm_generate profile {line[8:].rstrip()}")
-    p.wait()
-    if p.returncode != 0:
-        res.note(f"vllm_generate: the subprocess failed (exit {p.returncode}); its last lines: " + " | ".join(tail[-8:]))
+            print0(f"[{now()}] vllm_generate profile {line[8:]}")
+    run_child(res, "vllm_generate", spec, on_line)
 
 
 def vllm_generate_child(spec: dict) -> None:
@@ -935,25 +883,12 @@ def vllm_generate_child(spec: dict) -> None:
     for step in range(spec["steps"]):
         idx = [order[j % len(problems)] for j in range(step * P, (step + 1) * P)]
         prompts = [problems[i]["prompt_ids"] for i in idx]
-        sync()
-        t0 = time.perf_counter()
-        outs = sampler.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        sync()
-        t_engine = time.perf_counter() - t0
+        reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        outs, t_engine = timed(sampler.llm.generate, reqs, params, use_tqdm=False)
         n_engine = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        t0 = time.perf_counter()
-        out = sampler.generate(prompts, G, spec["max_response_len"], 1.0)
-        sync()
-        t_sampler = time.perf_counter() - t0
+        out, t_sampler = timed(sampler.generate, prompts, G, spec["max_response_len"], 1.0)
         n_sampler = sum(map(len, out.response_ids))
-        t0 = time.perf_counter()
-        sampler.sleep()
-        sync()
-        t_sleep = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        sampler.wake_up()
-        sync()
-        t_wake = time.perf_counter() - t0
+        t_sleep, t_wake = timed(sampler.sleep)[1], timed(sampler.wake_up)[1]
         row = {"batch": step + 1, "sequences": P * G, "llm_generate_s": round(t_engine, 3),
                "llm_generate_tokens": n_engine, "llm_generate_tok_s": round(n_engine / t_engine),
                "sampler_generate_s": round(t_sampler, 3), "sampler_generate_tokens": n_sampler,
@@ -963,9 +898,7 @@ def vllm_generate_child(spec: dict) -> None:
     if spec.get("profile"):  # batch 1 once more under the profiler: how much of llm.generate the GPU computes
         idx = [order[j % len(problems)] for j in range(P)]
         reqs = [TokensPrompt(prompt_token_ids=problems[i]["prompt_ids"]) for i in idx]
-        t0 = time.perf_counter()
-        outs, prof = profiled(lambda: sampler.llm.generate(reqs, params, use_tqdm=False))
-        wall = time.perf_counter() - t0
+        (outs, prof), wall = timed(profiled, lambda: sampler.llm.generate(reqs, params, use_tqdm=False))
         busy = gpu_busy_s(prof)
         steps = max(len(c.token_ids) for o in outs for c in o.outputs)  # decode steps: the longest response
         row = {"batch": 1, "sequences": P * G, "tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
@@ -993,11 +926,31 @@ def _fmt(v):
     return str(v)
 
 
-def _table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
+def _table(rows: list[dict], cols: str) -> list[str]:
+    """A Markdown table and the blank line after it; cols: 'header=key' pairs separated by ';' (key = header when
+    it has no '=')."""
+    cols = [c.split("=", 1) if "=" in c else (c, c) for c in cols.split(";")]
     out = ["| " + " | ".join(h for h, _ in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         out.append("| " + " | ".join(r.get(k, "") if k == "error" else _fmt(r.get(k)) for _, k in cols) + " |")
-    return "\n".join(out)
+    return ["\n".join(out), ""]
+
+
+TRAINER_TEXT = (
+    "recompute: grpo.py step 3 (no-grad forward with the chunked fp32 log-probs and entropy); train: step 5 (forward, "
+    "backward, LossScaler, AdamW over fp32 master weights), micro-batches of at most `micro-batch tokens` rows x "
+    "longest row. Tokens are prompt + response. MFU = model FLOPs / time / matmul peak of that dtype: train = 6 N x "
+    "tokens / train time; whole = (2 N recompute + 6 N train) x tokens / (recompute + train time); N = parameters "
+    "(tied embedding once), attention FLOPs not counted, nor gradient checkpointing's extra forward.")
+VLLM_GENERATE_TEXT = (
+    "llm.generate: the engine's own call with VLLMSampler's SamplingParams; VLLMSampler.generate: the same plus its "
+    "conversion of the outputs (what grpo.py's sampling phase runs between wake_up and sleep). Sampled anew each "
+    "time, so token counts differ a little.")
+PROFILE_TEXT = (
+    "Batch 1 once more under torch.profiler (--profile): the GPU's busy time (the union of its kernels' and copies' "
+    "intervals) against the wall time, per decode step (the longest response's length). The profiler slows the "
+    "host, so the wall time here is above the unprofiled one above. Operator tables: "
+    "<name>_profile_vllm_generate.txt.")
 
 
 def render_markdown(data: dict) -> str:
@@ -1014,58 +967,40 @@ def render_markdown(data: dict) -> str:
                   "sections)", ""]
     if data.get("matmul"):
         lines += ["## Matmul peak (the MFU denominator)", "",
-                  _table(data["matmul"], [("dtype", "dtype"), ("n (n x n x n)", "n"),
-                                          ("TFLOP/s, best of 5", "tflops")]),
-                  ""]
+                  *_table(data["matmul"], "dtype;n (n x n x n)=n;TFLOP/s, best of 5=tflops")]
     if data.get("trainer"):
         rows = [{**r, "lengths": f"{r['prompt']} + {r['response']}"} for r in data["trainer"]]
-        lines += ["## Trainer (per GPU)", "",
-                  "recompute: grpo.py step 3 (no-grad forward with the chunked fp32 log-probs and entropy); train: "
-                  "step 5 (forward, backward, LossScaler, AdamW over fp32 master weights), micro-batches of at most "
-                  "`micro-batch tokens` rows x longest row. Tokens are prompt + response. MFU = model FLOPs / time / "
-                  "matmul peak of that dtype: train = 6 N x tokens / train time; whole = (2 N recompute + 6 N train) "
-                  "x tokens / (recompute + train time); N = parameters (tied embedding once), attention FLOPs not "
-                  "counted, nor gradient checkpointing's extra forward.", "",
-                  _table(rows, [
-                      ("precision", "precision"), ("prompt + response", "lengths"), ("seqs", "seqs"),
-                      ("micro-batches", "micro_batches"), ("grad ckpt", "grad_ckpt"), ("compile", "compile"),
-                      ("ranks", "ranks"),
-                      ("recompute tok/s", "recompute_tok_s"), ("train tok/s", "train_tok_s"),
-                      ("whole tok/s", "whole_tok_s"), ("MFU train (6N)", "mfu_train"), ("MFU whole (8N)", "mfu_whole"),
-                      ("step s", "step_s")] + ([("GPU busy s", "gpu_busy_s"), ("GPU busy / step", "gpu_busy_frac")]
-                                               if any("gpu_busy_s" in r for r in rows) else []) + [
-                      ("peak GiB recompute", "peak_gib_recompute"), ("peak GiB train", "peak_gib_train"),
-                      ("error", "error")]), ""]
-        if any("gpu_busy_s" in r for r in rows):
+        busy = any("gpu_busy_s" in r for r in rows)
+        lines += ["## Trainer (per GPU)", "", TRAINER_TEXT, "", *_table(rows, (
+            "precision;prompt + response=lengths;seqs;micro-batches=micro_batches;grad ckpt=grad_ckpt;compile;ranks;"
+            "recompute tok/s=recompute_tok_s;train tok/s=train_tok_s;whole tok/s=whole_tok_s;"
+            "MFU train (6N)=mfu_train;MFU whole (8N)=mfu_whole;step s=step_s;"
+            + ("GPU busy s=gpu_busy_s;GPU busy / step=gpu_busy_frac;" if busy else "")
+            + "peak GiB recompute=peak_gib_recompute;peak GiB train=peak_gib_train;error"))]
+        if busy:
             lines += ["GPU busy: the union of the GPU kernels' and copies' intervals in one more step run under "
                       "torch.profiler (--profile), over the unprofiled step time; the rest of the step the GPU waits "
                       "for the host. Operator tables: <name>_profile_trainer_*.txt.", ""]
         if data.get("trainer_ratio"):
             lines += ["FP16 loss scaling's cost, fp16 step time / bf16 step time:", "",
-                      _table(data["trainer_ratio"], [("response", "response"), ("fp16 / bf16", "fp16_over_bf16")]), ""]
+                      *_table(data["trainer_ratio"], "response;fp16 / bf16=fp16_over_bf16")]
     if data.get("logprob_memory"):
-        lines += ["## Log-prob head memory (peak GPU memory above its inputs)", "",
-                  _table(data["logprob_memory"], [
-                      ("method", "method"), ("mode", "mode"), ("tokens", "tokens"), ("vocab", "vocab"),
-                      ("dtype", "dtype"), ("chunk", "chunk"), ("peak extra GiB", "peak_extra_gib"),
-                      ("full fp32 logits GiB", "full_fp32_logits_gib"), ("ms", "time_ms"), ("error", "error")]), ""]
+        lines += ["## Log-prob head memory (peak GPU memory above its inputs)", "", *_table(data["logprob_memory"], (
+            "method;mode;tokens;vocab;dtype;chunk;peak extra GiB=peak_extra_gib;"
+            "full fp32 logits GiB=full_fp32_logits_gib;ms=time_ms;error"))]
     if data.get("sampler"):
         lines += ["## Samplers (generated tokens/s; random weights rarely emit end-of-sequence, tokens counted)", "",
-                  _table(data["sampler"], [
-                      ("sampler", "sampler"), ("decoding", "path"), ("precision", "precision"), ("batch", "batch"),
-                      ("prompt", "prompt"), ("max new", "new_tokens"), ("tokens", "tokens"),
-                      ("1st call s", "first_call_s"), ("s", "s"), ("tok/s", "tok_s"),
-                      ("x transformers generate", "vs_hf_generate")]), ""]
+                  *_table(data["sampler"], "sampler;decoding=path;precision;batch;prompt;max new=new_tokens;tokens;"
+                                           "1st call s=first_call_s;s;tok/s=tok_s;x transformers generate=vs_hf_generate")]
     if data.get("sampler_check"):
-        lines += [_table(data["sampler_check"], [("check", "check"), ("tokens identical", "tokens_identical"),
-                                                 ("max abs log-prob diff", "max_abs_logprob_diff")]), ""]
+        lines += _table(data["sampler_check"], "check;tokens identical=tokens_identical;"
+                                               "max abs log-prob diff=max_abs_logprob_diff")
     if data.get("sync"):
         lines += ["## Weight sync trainer -> sampler (iter_full_state + load_weights, mean of 3)", "",
-                  _table(data["sync"], [("sampler", "sampler"), ("precision", "precision"), ("s", "s")]), ""]
+                  *_table(data["sync"], "sampler;precision;s")]
     if data.get("sync_check"):
-        lines += [_table(data["sync_check"], [
-            ("sampler vs trainer log-probs", "when"), ("decoding", "path"), ("precision", "precision"),
-            ("tokens", "tokens"), ("kl_k3", "kl_k3"), ("max abs diff", "max_abs_logprob_diff")]), ""]
+        lines += _table(data["sync_check"], "sampler vs trainer log-probs=when;decoding=path;precision;tokens;kl_k3;"
+                                            "max abs diff=max_abs_logprob_diff")
     rl = data.get("rl_step")
     if rl:
         runs = rl.get("runs") or ([{"label": "grpo", **rl}] if rl.get("steps") else [])  # (results of before 11/2026)
@@ -1075,12 +1010,11 @@ def render_markdown(data: dict) -> str:
             rows = []
             first = phase_means(runs[0].get("steps", [])).get("step")
             for r in runs:
-                m = phase_means(r.get("steps", []))
-                rows.append({"label": r["label"], "code": r.get("code"), **m,
-                             "speedup": first / m["step"] if first and m.get("step") else None})
-            lines += [_table(rows, [("run", "label"), ("code", "code"), ("sample s", "sample"),
-                                    ("recompute s", "recompute"), ("train s", "train"), ("sync s", "sync"),
-                                    ("step s", "step"), (f"x {runs[0]['label']}", "speedup")]), ""]
+                pm = phase_means(r.get("steps", []))
+                rows.append({"label": r["label"], "code": r.get("code"), **pm,
+                             "speedup": first / pm["step"] if first and pm.get("step") else None})
+            lines += _table(rows, "run=label;code;sample s=sample;recompute s=recompute;train s=train;sync s=sync;"
+                                  f"step s=step;x {runs[0]['label']}=speedup")
         for r in runs:
             steps = r.get("steps", [])
             order = ["time/sample", "time/recompute", "time/train", "time/sync", "time/step"]
@@ -1097,29 +1031,19 @@ def render_markdown(data: dict) -> str:
                         vals = [st[key] for st in later if isinstance(st.get(key), (int, float))]
                         row[col] = sum(vals) / len(vals) if vals else None
                     phases.append(row)
-                lines += [_table(phases, [("phase", "phase"), ("seconds", "s"), ("PyTorch peak GiB", "peak"),
-                                          ("GPU in use at its end, GiB", "used")]), "",
-                          _table(steps, [("step", "step")] + [(k, k) for k in keys]), ""]
+                lines += [*_table(phases, "phase;seconds=s;PyTorch peak GiB=peak;GPU in use at its end, GiB=used"),
+                          *_table(steps, ";".join(["step"] + keys))]
     if data.get("vllm_generate"):
-        lines += ["## The same vLLM engine standalone (grpo.py's first batches)", "",
-                  "llm.generate: the engine's own call with VLLMSampler's SamplingParams; VLLMSampler.generate: the "
-                  "same plus its conversion of the outputs (what grpo.py's sampling phase runs between wake_up and "
-                  "sleep). Sampled anew each time, so token counts differ a little.", "",
-                  _table(data["vllm_generate"], [
-                      ("batch", "batch"), ("sequences", "sequences"), ("llm.generate s", "llm_generate_s"),
-                      ("tokens", "llm_generate_tokens"), ("tok/s", "llm_generate_tok_s"),
-                      ("VLLMSampler.generate s", "sampler_generate_s"), ("tokens", "sampler_generate_tokens"),
-                      ("tok/s", "sampler_generate_tok_s"), ("sleep s (level 1)", "sleep_s"), ("wake s", "wake_s")]),
-                  ""]
+        lines += ["## The same vLLM engine standalone (grpo.py's first batches)", "", VLLM_GENERATE_TEXT, "",
+                  *_table(data["vllm_generate"], (
+                      "batch;sequences;llm.generate s=llm_generate_s;tokens=llm_generate_tokens;"
+                      "tok/s=llm_generate_tok_s;VLLMSampler.generate s=sampler_generate_s;"
+                      "tokens=sampler_generate_tokens;tok/s=sampler_generate_tok_s;sleep s (level 1)=sleep_s;"
+                      "wake s=wake_s"))]
     if data.get("vllm_generate_profile"):
-        lines += ["Batch 1 once more under torch.profiler (--profile): the GPU's busy time (the union of its kernels' "
-                  "and copies' intervals) against the wall time, per decode step (the longest response's length). "
-                  "The profiler slows the host, so the wall time here is above the unprofiled one above. Operator "
-                  "tables: <name>_profile_vllm_generate.txt.", "",
-                  _table([data["vllm_generate_profile"]], [
-                      ("batch", "batch"), ("sequences", "sequences"), ("tokens", "tokens"),
-                      ("decode steps", "decode_steps"), ("profiled s", "profiled_s"), ("GPU busy s", "gpu_busy_s"),
-                      ("wall ms / step", "wall_ms_per_step"), ("GPU busy ms / step", "gpu_busy_ms_per_step")]), ""]
+        lines += [PROFILE_TEXT, "", *_table([data["vllm_generate_profile"]], (
+            "batch;sequences;tokens;decode steps=decode_steps;profiled s=profiled_s;GPU busy s=gpu_busy_s;"
+            "wall ms / step=wall_ms_per_step;GPU busy ms / step=gpu_busy_ms_per_step"))]
     if data.get("notes"):
         lines += ["## Notes", ""] + [f"- {n}" for n in data["notes"]] + [""]
     return "\n".join(lines)
@@ -1127,32 +1051,30 @@ def render_markdown(data: dict) -> str:
 
 # ----------------------------------------------------------------------------------------------------------------
 
+def render(paths: list[str], out_dir: str, name: str) -> None:
+    """Several result files into one: their rows one after the other (matmul and the meta: the last file's)."""
+    data = {}
+    for path in paths:
+        with open(path) as f:
+            part = json.load(f)
+        for k, v in part.items():
+            if k == "notes":
+                data.setdefault("notes", []).extend(n for n in v if n not in data.get("notes", []))
+            elif isinstance(v, list) and isinstance(data.get(k), list) and k != "matmul":
+                data[k] = data[k] + v
+            else:
+                data[k] = v
+    write_results(os.path.join(out_dir, name), data)
+    print(f"wrote {os.path.join(out_dir, name)}.md")
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.render:
-        data = {}
-        for path in args.render:
-            with open(path) as f:
-                part = json.load(f)
-            for k, v in part.items():
-                if k == "notes":
-                    data.setdefault("notes", []).extend(n for n in v if n not in data.get("notes", []))
-                elif isinstance(v, list) and isinstance(data.get(k), list) and k != "matmul":
-                    data[k] = data[k] + v
-                else:
-                    data[k] = v
-        name = args.name or "combined"
-        os.makedirs(args.out_dir, exist_ok=True)
-        with open(os.path.join(args.out_dir, name + ".json"), "w") as f:
-            json.dump(data, f, indent=1)
-        with open(os.path.join(args.out_dir, name + ".md"), "w") as f:
-            f.write(render_markdown(data))
-        print(f"wrote {os.path.join(args.out_dir, name)}.md")
-        return
-    if args.vllm_child:
-        return vllm_child(args)
-    if args.vllm_generate_child:
-        return vllm_generate_child(json.loads(args.vllm_generate_child))
+        return render(args.render, args.out_dir, args.name or "combined")
+    if args.child:
+        spec = json.loads(args.child)
+        return (vllm_sampler_child if spec["kind"] == "sampler" else vllm_generate_child)(spec)
 
     rank, world_size, device = setup_distributed()
     if world_size > 1 and set(args.only) - {"matmul", "trainer"}:
@@ -1177,7 +1099,9 @@ def main(argv=None):
     if "matmul" in args.only:
         peaks = bench_matmul(res, args.matmul_n, device)
     if "trainer" in args.only:
-        peaks = peaks or matmul_peaks(res, args, device)
+        peaks = peaks or {r["dtype"]: r["tflops"] for r in res.data.get("matmul") or []}  # (an earlier run's)
+        if not {"fp16", "bf16"} <= set(peaks):
+            peaks = bench_matmul(res, args.matmul_n, device)
         bench_trainer(res, args, model_dir, n_params, peaks, device, rank, world_size)
     if "logprob_memory" in args.only:
         bench_logprob_memory(res, args, device)

@@ -67,6 +67,25 @@ class PolicyModel(nn.Module):
         return logp_BT, ent_BT
 
 
+def recompute_logprobs(model: PolicyModel, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                       groups: list[list[int]], pad_id: int, temperature: float, chunk_size: int, device):
+    """Step 3 of every script: the trainer's log-probs of each response without gradients, micro-batch by micro-batch
+    (`groups`: lists of sequence indices, from common.batches.micro_batches). Returns (logp: one fp32 CPU tensor per
+    sequence, of its response's length, None for a sequence in no group; the entropy summed over every response
+    token, read once per micro-batch)."""
+    logp = [None] * len(response_ids)
+    entropy_sum = 0.0
+    with torch.no_grad():
+        for mb in groups:
+            ids, attn, rmask = collate([prompt_ids[i] for i in mb], [response_ids[i] for i in mb], pad_id, device)
+            logp_BT, ent_BT = model(ids, attn, rmask, temperature, chunk_size, with_entropy=True)
+            entropy_sum += ent_BT[rmask].sum().item()
+            logp_BT = logp_BT.cpu()  # one device-to-host copy per micro-batch, not one per row
+            for row, i in enumerate(mb):
+                logp[i] = logp_BT[row, :len(response_ids[i])]
+    return logp, entropy_sum
+
+
 def response_positions(attention_mask_BL: torch.Tensor, response_mask_BT: torch.Tensor) -> torch.Tensor:
     """Boolean B x L mask of the response tokens inside the right-padded prompt+response rows."""
     seq_len_B = attention_mask_BL.sum(-1)

@@ -128,15 +128,15 @@ def test_graph_vs_eager_check_with_a_stand_in_graph(tmp_path, process_group, mon
 
 
 def test_trainer_step_runs_grpos_own_loss(tmp_path, process_group, monkeypatch):
-    """The trainer section times grpo.py's policy_loss and drgrpo_advantages themselves (a change of the loss is
-    benchmarked as it runs), once per micro-batch, and reads their statistics as grpo.py does."""
+    """The trainer section times the scripts' own code: grpo.py's step 3 (recompute_logprobs, the function grpo.py
+    calls), policy_loss once per micro-batch and drgrpo_advantages (a change of either is benchmarked as it runs)."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import benchmark
     import grpo
 
     from common.fsdp import load_policy
     _, _, device = process_group
-    calls = {"loss": 0, "adv": 0}
+    calls = {"loss": 0, "adv": 0, "recompute": 0}
 
     def counting(fn, key):
         def wrapped(*a, **kw):
@@ -145,6 +145,8 @@ def test_trainer_step_runs_grpos_own_loss(tmp_path, process_group, monkeypatch):
         return wrapped
     monkeypatch.setattr(grpo, "policy_loss", counting(grpo.policy_loss, "loss"))
     monkeypatch.setattr(grpo, "drgrpo_advantages", counting(grpo.drgrpo_advantages, "adv"))
+    assert benchmark.recompute_logprobs is grpo.recompute_logprobs
+    monkeypatch.setattr(benchmark, "recompute_logprobs", counting(grpo.recompute_logprobs, "recompute"))
     model_dir = benchmark.build_model_dir("tiny", str(tmp_path / "model"), 0)
     args = benchmark.parse_args(["--shape", "tiny", "--num-minibatches", "2"])
     model = load_policy(model_dir, torch.float32, device, gradient_checkpointing=False)
@@ -154,15 +156,19 @@ def test_trainer_step_runs_grpos_own_loss(tmp_path, process_group, monkeypatch):
     t_rec, t_train, _, _ = benchmark.trainer_step(model, params, optimizer, benchmark.LossScaler(enabled=False),
                                                   prompts, responses, args, 999, device, 1)
     assert t_rec > 0 and t_train > 0
-    assert calls == {"loss": 2, "adv": 1}  # 2 mini-batches of 2 rows x 24 tokens, each one micro-batch (budget 256)
+    assert calls == {"loss": 2, "adv": 1, "recompute": 1}  # 2 mini-batches of 2 rows x 24 tokens, each one
+    # micro-batch (budget 256)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_vllm_generate_on_grpo_batches(tmp_path):
-    """The standalone engine on grpo.py's first batches: one row per batch, both timings, the right sequence count."""
-    run(["--only", "vllm_generate", "--precisions", "fp32", "--rl-steps", "2", "--rl-max-response-len", "8",
-         "--name", "gen"], tmp_path)
+    """The standalone engine on grpo.py's first batches: one row per batch, both timings, the right sequence count;
+    and the sampler section's VLLMSampler (another subprocess): tokens/s per batch size and the weight sync."""
+    run(["--only", "sampler,vllm_generate", "--sampler-variants", "vllm", "--sampler-precision", "fp32",
+         "--precisions", "fp32", "--rl-steps", "2", "--rl-max-response-len", "8", "--name", "gen"], tmp_path)
     data, md = load(tmp_path, "gen")
+    assert [(r["sampler"], r["batch"]) for r in data["sampler"]] == [("VLLMSampler", 4), ("VLLMSampler", 8)]
+    assert all(r["tok_s"] > 0 for r in data["sampler"]) and data["sync"][0]["sampler"] == "VLLMSampler"
     rows = data["vllm_generate"]
     assert [r["batch"] for r in rows] == [1, 2] and all(r["sequences"] == 4 * 2 for r in rows)
     assert all(r["llm_generate_tokens"] > 0 and r["sampler_generate_tok_s"] > 0 for r in rows)

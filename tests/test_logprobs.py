@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.fsdp import load_policy
-from common.logprobs import chunked_logprobs, collate, split_microbatches
+from common.logprobs import chunked_logprobs, collate, recompute_logprobs, split_microbatches
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 100])
@@ -43,6 +43,24 @@ def test_policy_model_matches_hf_forward(tiny_model_dir, process_group):
         ref = torch.log_softmax(logits, -1)[len(p) - 1:len(p) + len(r) - 1].gather(-1, torch.tensor(r)[:, None])
         torch.testing.assert_close(logp[b, :len(r)], ref.squeeze(-1), atol=1e-5, rtol=1e-5)
         assert (logp[b, len(r):] == 0).all()
+
+
+def test_recompute_logprobs_row_by_row_as_one_forward(tiny_model_dir, process_group):
+    """Step 3 (recompute_logprobs) cut into micro-batches gives each sequence the log-probs and entropy of one forward
+    over all rows: the padding of a micro-batch changes nothing (fp32: same kernels on different batch shapes, so
+    differences are rounding, far below 1e-5); a sequence in no group gets None."""
+    _, _, device = process_group
+    model = load_policy(tiny_model_dir, torch.float32, device, gradient_checkpointing=False)
+    prompts, responses = [[4, 5, 13], [7, 8, 9, 10, 14], [3, 3]], [[6, 7, 1], [3, 1], [5, 6, 7, 8]]
+    ids, attn, rmask = collate(prompts, responses, 0, device)
+    with torch.no_grad():
+        ref, ent = model(ids, attn, rmask, 0.8, 2, with_entropy=True)
+    logp, entropy_sum = recompute_logprobs(model, prompts, responses, [[2], [0, 1]], 0, 0.8, 2, device)
+    for b, r in enumerate(responses):
+        assert logp[b].shape == (len(r),) and logp[b].device.type == "cpu"
+        torch.testing.assert_close(logp[b], ref[b, :len(r)].cpu(), atol=1e-5, rtol=1e-5)
+    assert abs(entropy_sum - ent[rmask].sum().item()) < 1e-4  # 9 tokens of entropy <= log(vocab) each
+    assert recompute_logprobs(model, prompts, responses, [[1]], 0, 0.8, 2, device)[0][::2] == [None, None]
 
 
 def test_split_microbatches_respects_budget_and_min_count():
