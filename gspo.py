@@ -492,8 +492,7 @@ def main(args: Args) -> None:
         save(step)
     run_eval(step)
     logger.close()
-    sampler.shutdown()
-    cleanup_distributed()
+    sampler.shutdown()  # (vLLM's engine needs the process group for its own clean-up)
 
 
 if __name__ == "__main__":
@@ -510,3 +509,4 @@ if __name__ == "__main__":
         print(f"{os.path.basename(__file__)}: interrupted at step {current_step}; resume with --resume latest",
               file=sys.stderr)
         sys.exit(130)  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
+    cleanup_distributed()  # after main() returned: its model holds the process group, which must be freed here

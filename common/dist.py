@@ -3,6 +3,7 @@
 Every run has a process group, also a single process without torchrun (a group of one): FSDP2 and the in-process
 vLLM engine (external_launcher) then take the same code path on 1 or N ranks.
 """
+import gc
 import os
 import random
 import socket
@@ -10,6 +11,8 @@ import socket
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (imported before any group exists: see cleanup_distributed)
+from torch.distributed.device_mesh import DeviceMesh
 
 
 def backend_for(cuda: bool, cpu_offload: bool) -> str:
@@ -49,9 +52,20 @@ def setup_distributed(cpu_offload: bool = False) -> tuple[int, int, torch.device
 
 
 def cleanup_distributed() -> None:
+    """Destroy the process groups and free them, so that gloo's threads (gloo_tcp_loop, pt_gloo_runloop) end here.
+    Call it after main() has returned: its model's FSDP states hold the group. A group that is destroyed but still
+    referenced keeps its threads to the interpreter's teardown, where freeing it can abort the finished process
+    ("terminate called without an active exception", torchrun exit -6). What else holds a group: DeviceMeshes that
+    DTensor's caches keep (each mesh's _pg_registry), and torch.distributed.nn's functions, whose default
+    `group=group.WORLD` is the default group if that module is first imported after the group exists (vLLM imports
+    it): it is imported at the top of this file instead."""
     if dist.is_initialized():  # (a sampler's shutdown may have destroyed it already)
         dist.barrier()
         dist.destroy_process_group()
+    gc.collect()  # main()'s model and optimizer (FSDP modules are reference cycles)
+    for mesh in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:
+        getattr(mesh, "_pg_registry", {}).clear()  # (a private attribute: getattr, for torch versions without it)
+    gc.collect()
 
 
 def is_main() -> bool:

@@ -4,8 +4,10 @@ processed_logprobs (mu after temperature), weights reloaded in place from the tr
 vLLM's internals are touched in exactly one function, `_model_runner`.
 """
 import gc
+import importlib
 import importlib.util
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,14 @@ VLLM_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 def _model_runner(llm):
     """The one place that reaches into vLLM's internals (in-process engine, V1, as of vLLM 0.25-0.32)."""
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+def _import_llm():
+    """vllm.LLM, imported on a thread of its own. vLLM keeps an import error it caught (`torchcodec` missing), whose
+    traceback holds the importing frames and their callers: imported from main(), it kept main()'s frame, and with it
+    the model and the process group, alive to the interpreter's teardown (common/dist.py cleanup_distributed)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: importlib.import_module("vllm").LLM).result()
 
 
 def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
@@ -44,7 +54,7 @@ class VLLMSampler:
             if key not in os.environ:
                 os.environ[key] = str(value)
                 self.env_set.append(key)
-        from vllm import LLM
+        LLM = _import_llm()
         self.tp = tp
         self.sleep_level = sleep_level if torch.cuda.is_available() else 0
         self.asleep = False
@@ -104,6 +114,7 @@ class VLLMSampler:
         """Shut the engine down while the process group it joined still exists (at interpreter exit, after the
         trainer destroyed the group, vLLM's own clean-up fails)."""
         del self.llm
+        self.tp_group = None  # (a group referenced after destroy_process_group keeps its threads)
         gc.collect()
         for key in self.env_set:
             os.environ.pop(key, None)

@@ -15,6 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common.checkpoint
+import common.dist
 import common.logger
 import common.precision
 import common.rewards
@@ -81,6 +82,7 @@ else:
 module = importlib.import_module(script.removesuffix(".py"))
 try:
     module.main(module.parse_args(argv))
+    common.dist.cleanup_distributed()  # as the scripts' __main__ does, after main()
 except common.precision.TrainingFault as e:
     print(f"{script}: error: {e}", file=sys.stderr)
     sys.exit(3)
