@@ -90,11 +90,14 @@ sanity-real: real-model
 # keeps a final checkpoint (about 20 GB at 1.5B: fp32 weights and AdamW): mind the disk.
 COT_PROBLEMS ?= 1536
 COT_STEPS ?= 60
+# the task module under tasks/ (multistep_problems; word_problems for the 0.5B model, which the multi-step problems
+# leave no room to learn: sanity/results/word_0.5b)
+COT_TASK ?= multistep_problems
 # extra flags for run_sanity.py (after these, so they override), e.g. COT_ARGS="--seed 2" or a bigger share of memory
 COT_ARGS ?=
 sanity-cot: install
 	model="$$($(call fetch-model,$(or $(MODEL),qwen2.5-coder-1.5b-instruct)))" && \
-	train="$$($(PY) -m tasks.multistep_problems | sed -n 1p)" && eval="$$($(PY) -m tasks.multistep_problems | sed -n 2p)" && \
+	train="$$($(PY) -m tasks.$(COT_TASK) | sed -n 1p)" && eval="$$($(PY) -m tasks.$(COT_TASK) | sed -n 2p)" && \
 	$(PY) sanity/run_sanity.py --out-dir runs/sanity_cot_$(or $(MODEL),qwen2.5-coder-1.5b-instruct) --model "$$model" \
 		--dataset "$$train" --algorithms grpo --precisions fp16 bf16 --must-pass-precisions fp16 --k 16 \
 		--max-problems $(COT_PROBLEMS) --num-steps $(COT_STEPS) --no-stop-early --parallel 2 --no-analysis \

@@ -76,17 +76,22 @@ def _plt():
 def plot_curves(series: list[tuple[str, list[dict]]], keys: list[str], out: str, log_keys=LOG_KEYS, smooth: int = 1,
                 styles: dict | None = None, hlines: dict | None = None, title: str | None = None) -> None:
     """One panel per key, one line per (label, rows) series, x = step. smooth > 1 draws the trailing mean over that
-    many steps (from the first full window on). styles: label -> matplotlib line kwargs; hlines: key -> y of a
-    dashed reference line."""
+    many steps (from the first full window on; evaluation keys, logged every few steps, are drawn raw). Up to 4
+    panels a row. styles: label -> matplotlib line kwargs; hlines: key -> y of a dashed reference line."""
     plt = _plt()
-    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    ncols = min(4, len(keys))
+    nrows = math.ceil(len(keys) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4 * nrows), squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, keys):
         drawn = False
+        window = 1 if key.startswith("eval/") else smooth
         for label, rows in series:
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-            if smooth > 1:
-                ys = trailing_mean([y for _, y in pts], smooth)
-                pts = [(s, y) for (s, _), y in zip(pts[smooth - 1:], ys)]
+            if window > 1:
+                ys = trailing_mean([y for _, y in pts], window)
+                pts = [(s, y) for (s, _), y in zip(pts[window - 1:], ys)]
             if key in log_keys:
                 pts = [(s, y) for s, y in pts if y > 0 and math.isfinite(y)]
             if pts:
@@ -97,7 +102,7 @@ def plot_curves(series: list[tuple[str, list[dict]]], keys: list[str], out: str,
         if hlines and key in hlines:
             ax.axhline(hlines[key], color="gray", linestyle="--", linewidth=1)
         ax.set_xlabel("step")
-        ax.set_title(key + (f" (mean over {smooth} steps)" if smooth > 1 else ""), fontsize=10)
+        ax.set_title(key + (f" (mean over {window} steps)" if window > 1 else ""), fontsize=10)
         ax.grid(alpha=0.3)
         if drawn:
             ax.legend(fontsize=8)

@@ -173,6 +173,22 @@ def test_plot_runs_writes_a_png(tmp_path):
     assert p.returncode == 2 and "no metrics.jsonl" in p.stderr
 
 
+def test_plot_curves_rows_of_four_and_raw_evaluations(tmp_path, monkeypatch):
+    """Five keys make 2 rows of 4 panels (3 hidden); --smooth averages the training keys, not the evaluation keys
+    (logged every few steps: a trailing mean over them would start late and blur the few points there are)."""
+    from sanity import report
+    plt, figs = report._plt(), []
+    monkeypatch.setattr(plt, "close", figs.append)  # keep the figure to look at it
+    rows = [{"step": s, "train/accuracy": s / 10, "eval/eval/accuracy": s / 10} for s in range(1, 7)]
+    report.plot_curves([("run", rows)], ["train/accuracy", "eval/eval/accuracy", "a", "b", "c"],
+                       str(tmp_path / "c.png"), smooth=3)
+    (fig,) = figs
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(fig.axes) == 8 and len(visible) == 5
+    assert list(visible[0].lines[0].get_xdata()) == [3, 4, 5, 6]  # from the first full window on
+    assert list(visible[1].lines[0].get_xdata()) == [1, 2, 3, 4, 5, 6]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the offline mismatch analysis
 
