@@ -42,7 +42,7 @@ from common.dist import cleanup_distributed, phase_memory, print0, reduce_stats,
 from common.evaluate import eval_name, evaluate
 from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
-from common.logprobs import collate, pad_float, to_device
+from common.logprobs import collate, pad_float, recompute_logprobs, to_device
 from common.metrics import (MismatchMonitor, first_minibatch_mismatch, mismatch_metrics, mismatch_stats,
                             add_sums, mean_finite, rollout_sums, step_metrics)
 from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
@@ -483,20 +483,13 @@ def main(args: Args) -> None:
 
         # --- 3. recompute old_logp with the trainer (the weights that sampled the batch), and the entropy
         t0 = time.perf_counter()
-        old_logp = [None] * len(seq_lens)
-        entropy_sum = 0.0
-        with torch.no_grad():
-            for mb in micro_batches(seq_lens, args.micro_batch_tokens, device) if recompute else []:
-                ids, attn, rmask = collate([rollout.prompt_ids[i] for i in mb], [rollout.response_ids[i] for i in mb],
-                                           pad_id, device)
-                logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, args.logprob_chunk, with_entropy=True)
-                entropy_sum += ent_BT[rmask].sum().item()
-                logp_BT = logp_BT.cpu()  # one device-to-host copy per micro-batch, not one per row
-                for row, i in enumerate(mb):
-                    old_logp[i] = logp_BT[row, :resp_lens[i]]
-            # PPO: and V_old with the critic (the values of GAE and of the value clip), also with --old-logp mu
-            old_values = [None] * len(seq_lens)  # PPO
-            for mb in micro_batches(seq_lens, args.micro_batch_tokens, device):  # PPO
+        groups = micro_batches(seq_lens, args.micro_batch_tokens, device) if recompute else []
+        old_logp, entropy_sum = recompute_logprobs(model, rollout.prompt_ids, rollout.response_ids, groups, pad_id,
+                                                   args.temperature, args.logprob_chunk, device)
+        # PPO: and V_old with the critic (the values of GAE and of the value clip), also with --old-logp mu
+        old_values = [None] * len(seq_lens)  # PPO
+        with torch.no_grad():  # PPO
+            for mb in groups or micro_batches(seq_lens, args.micro_batch_tokens, device):  # PPO
                 ids, attn, rmask = collate([rollout.prompt_ids[i] for i in mb], [rollout.response_ids[i] for i in mb],
                                            pad_id, device)  # PPO
                 values_BT = critic(ids, attn, rmask).cpu()  # PPO
