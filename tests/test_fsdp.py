@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import make_tiny_model_dir
+from conftest import assert_close_to_rounding, fp32_rounding_bound, make_tiny_model_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,34 +92,6 @@ def test_cpu_offload_takes_the_same_step(tmp_path, nproc):
         (n_plain, _), (n_offload, total) = r["offloaded"]
         assert n_plain == 0 and n_offload == total > 0, r  # every parameter under the offload policy
         assert r["devices_offload"] == {"grads": ["cpu"], "params": ["cpu"], "adamw": ["cpu"]}, r
-
-
-def fp32_rounding_bound(cfg, seq_len: int, n_tokens: int, backward: bool) -> float:
-    """Relative size (to the magnitude of the terms summed) of the largest difference that rounding alone can make
-    between two fp32 computations of the same log-probs (backward=False) or gradients (backward=True) that sum their
-    terms in other orders, as the compiled kernels do: u * (the lengths of the sums along the longest path through
-    the model), u = eps/2 the unit roundoff. A sum of n terms in any order is off by at most n * u * sum|terms|
-    (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., Sec. 4.2), and errors add along a path. Forward
-    per layer: the norm (hidden), q/k/v (hidden), q.k (head_dim), the softmax and the weighted sum of values
-    (seq_len each), o_proj (heads * head_dim), the norm, gate/up (hidden), down (intermediate); then the final norm,
-    the head (hidden) and the log-softmax (vocab). The backward sums the transposed lengths along the same path, and
-    each weight's gradient sums over the n_tokens positions of every micro-batch. A worst case: the differences
-    measured on a CPU are about 1/100 of it; 16-bit or TF32 arithmetic (u >= 2^-11) or a wrong mask would exceed it."""
-    h, heads, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-    layer = h + h + hd + seq_len + seq_len + heads * hd + h + h + cfg.intermediate_size
-    n = cfg.num_hidden_layers * layer + h + h + cfg.vocab_size
-    if backward:
-        n = 2 * n + n_tokens
-    return n * torch.finfo(torch.float32).eps / 2
-
-
-def assert_close_to_rounding(got, want, bound):
-    """|got - want| <= bound * max|want|, elementwise: the largest element of a tensor stands for the magnitude of
-    the terms summed into each one, since an element near zero is a sum of terms that cancel and its rounding error
-    is relative to them, not to itself (a relative tolerance failed on such an element: 2.2e-6 off on 1.7e-4)."""
-    tol = bound * want.abs().max().item()
-    worst = (got - want).abs().max().item()
-    assert worst <= tol, f"max |difference| {worst:.3g} > {tol:.3g} (rounding bound {bound:.3g} x max |value|)"
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
