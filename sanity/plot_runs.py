@@ -4,7 +4,7 @@
     python sanity/plot_runs.py runs/sanity/runs/* --keys train/accuracy --smooth 5 --out acc.png
 
 x is the step; the rows plotted are the training steps (those with train/accuracy; with an eval/ key, the
-evaluation rows). mismatch/kl_k2, mismatch/kl_k3, policy/approx_kl and mismatch/prob_abs_diff_mean are drawn on
+evaluation rows). Up to 4 panels a row. mismatch/kl_k2, mismatch/kl_k3, policy/approx_kl and mismatch/prob_abs_diff_mean are drawn on
 a log scale (--log-keys), where values <= 0 are left out.
 """
 import os
@@ -29,7 +29,7 @@ class Args:
     out: str = "curves.png"
     """the PNG file to write"""
     smooth: int = 1
-    """draw the trailing mean over this many logged points (1: the raw values)"""
+    """draw the trailing mean over this many logged points (1: the raw values); eval/ keys are always drawn raw"""
     log_keys: tuple[str, ...] = LOG_KEYS
     """keys drawn on a log scale"""
     labels: tuple[str, ...] = ()
