@@ -4,8 +4,8 @@
     python sanity/plot_runs.py runs/sanity/runs/* --keys train/accuracy --smooth 5 --out acc.png
 
 x is the step; the rows plotted are the training steps (those with train/accuracy; with an eval/ key, the
-evaluation rows). Up to 4 panels a row. mismatch/kl_k2, mismatch/kl_k3, policy/approx_kl and mismatch/prob_abs_diff_mean are drawn on
-a log scale (--log-keys), where values <= 0 are left out.
+evaluation rows, drawn raw). Up to 4 panels a row. mismatch/kl_k2, mismatch/kl_k3, policy/approx_kl and
+mismatch/prob_abs_diff_mean are drawn on a log scale (--log-keys), where values <= 0 are left out.
 """
 import os
 import sys
