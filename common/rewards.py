@@ -3,7 +3,7 @@
   exact   exact_match_reward: the whole stripped response equals the answer
   number  number_reward: the final number of the response (GSM8K style), compared numerically
   module:function   a plug-in fn(response, answer) -> float (sys.path, then the current directory)
-The math check and the plug-ins run in time- and memory-bounded worker processes (common/reward_pool.py). A call that
+The math check and the plug-ins run in time- and memory-bounded worker processes (workers/reward_pool.py). A call that
 raises, runs past its time limit or returns anything but a finite number scores 0 and counts as a failure
 (train/reward_failures, eval/<name>/reward_failures); a step whose every check failed stops the run.
 """
@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from fractions import Fraction
 
-from common import reward_pool
+from workers import reward_pool
 
 PLUGIN_TIMEOUT_S = 5.0  # time limit of one call of a plug-in reward (--reward module:function), as math_reward's
 PROGRESS_EVERY_S = 10.0  # score_rollout(progress=True) prints a line this often while checking
