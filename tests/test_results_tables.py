@@ -1,0 +1,135 @@
+"""sanity/results_tables.py: docs/results.md's generated tables agree with the committed data, a hand edit inside a
+generated block is caught, and the tables' numbers are computed right on tiny synthetic runs and benchmark results."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE = os.path.join(ROOT, "docs", "results.md")
+
+
+def check(page):
+    return subprocess.run([sys.executable, "-m", "sanity.results_tables", "--check", "--page", str(page)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_page_matches_committed_data():
+    res = check(PAGE)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_hand_edit_inside_a_block_is_caught(tmp_path):
+    page = open(PAGE, encoding="utf-8").read()
+    row = "| now | 8.46 | 0.964 | 3.93 | 0.189 | 13.7 (1.39x) |"  # bench_real_step's block
+    assert page.count(row) == 1
+    edited = tmp_path / "results.md"
+    edited.write_text(page.replace(row, row.replace("8.46", "8.47")), encoding="utf-8")
+    res = check(edited)
+    assert res.returncode == 1 and "block bench_real_step differs" in res.stdout and res.stdout.count("differs") == 1
+    # the prose around the blocks is the page's own: an edit there is not the generator's business
+    edited.write_text(page.replace("About 0.3 s per step", "About 0.4 s per step"), encoding="utf-8")
+    assert check(edited).returncode == 0
+    # without --check the block is rewritten from the data and the page is whole again
+    edited.write_text(page.replace(row, row.replace("8.46", "8.47")), encoding="utf-8")
+    subprocess.run([sys.executable, "-m", "sanity.results_tables", "--page", str(edited)], cwd=ROOT, check=True,
+                   capture_output=True, timeout=300)
+    assert edited.read_text(encoding="utf-8") == page
+
+
+def write_run(path, accs, kls, seq_mins, evals, warnings=()):
+    os.makedirs(path)
+    rows = [{"step": s, "eval/eval/accuracy": a} for s, a in evals.items()]
+    rows += [{"step": i + 1, "train/accuracy": a, "mismatch/kl_k3": k, "mismatch/seq_log_ratio_min": m,
+              "mismatch/collapse_warning": float(i + 1 in warnings)}
+             for i, (a, k, m) in enumerate(zip(accs, kls, seq_mins))]
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return str(path)
+
+
+def test_runs_table_on_synthetic_metrics(tmp_path):
+    from sanity.results_tables import load_run, runs_table
+    a = write_run(tmp_path / "a", accs=[0.5, 0.7, 0.9, 1.0], kls=[1e-4, 3e-4, 2e-5, 4e-5],
+                  seq_mins=[-0.1, -0.3, -0.2, -0.6], evals={0: 0.25, 2: 0.5, 4: 0.625}, warnings=(3,))
+    b = write_run(tmp_path / "b", accs=[0.25, 0.25, 0.5, 0.75], kls=[2e-6, 2e-6, 1e-6, 1e-6], seq_mins=[0.0] * 4,
+                  evals={0: 0.125, 4: 0.875})
+    rows, evals = load_run(a)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and evals == {0: 0.25, 2: 0.5, 4: 0.625}
+    table = runs_table([("A", *load_run(a)), ("B", *load_run(b))], acc_windows=[(1, 2), (3, 4)],
+                       kl_windows=[(1, 2), (3, 4)], eval_steps=[0, 4], acc_decimals=3)
+    # the means by hand: A's accuracy (0.5 + 0.7) / 2, (0.9 + 1.0) / 2; kl_k3 (1e-4 + 3e-4) / 2, (2e-5 + 4e-5) / 2;
+    # seq log-ratio (-0.1 - 0.3 - 0.2 - 0.6) / 4 = -0.3
+    assert table.split("\n") == [
+        "|  | A | B |",
+        "|---|---|---|",
+        "| training accuracy, steps 1-2 / 3-4 | 0.600 / 0.950 | 0.250 / 0.625 |",
+        "| held-out accuracy, step 0 -> 4 | 0.25 -> 0.62 | 0.12 -> 0.88 |",  # 0.625 and 0.125: round half to even
+        "| kl_k3, steps 1-2 -> 3-4 | 2.0e-4 -> 3.0e-5 | 2.0e-6 -> 1.0e-6 |",
+        "| most negative sequence log-ratio (mean over steps) | -0.30 | 0.00 |",
+        "| collapse warnings | 1 | 0 |"]
+    with pytest.raises(ValueError, match="3 of steps 1-4"):  # a window the run did not log in full
+        runs_table([("A", rows[:3], evals)], [(1, 4)], [(1, 2)], [0], 2)
+    with pytest.raises(ValueError, match="step 3"):
+        runs_table([("A", rows, evals)], [(1, 2)], [(1, 2)], [0, 3], 2)
+
+
+def test_bench_tables_on_synthetic_results():
+    from sanity.results_tables import rl_step_phases_table, rl_step_runs_table
+    step = lambda s, t: {"step": s, "time/sample": t, "time/recompute": 1.0, "time/train": 2.0, "time/sync": 0.5,
+                         "time/step": t + 3.5, **{f"mem/{ph}_{k}_gib": float(s) for ph in ("sample", "recompute",
+                                                                                              "train", "sync")
+                                                   for k in ("peak", "used")}}
+    # step 1 carries the one-time costs and is left out: the means are over steps 2-3
+    runs = [{"label": "before", "steps": [step(1, 100.0), step(2, 6.0), step(3, 8.0)]},
+            {"label": "after", "steps": [step(1, 100.0), step(2, 2.0), step(3, 3.0)]}]
+    assert rl_step_runs_table({"rl_step": {"runs": runs}}).split("\n")[2:] == [
+        "| before | 7.00 | 1.00 | 2.00 | 0.500 | 10.5 |",
+        "| now | 2.50 | 1.00 | 2.00 | 0.500 | 6.00 (1.75x) |"]  # 10.5 / 6.0
+    assert rl_step_phases_table({"rl_step": runs[0]}).split("\n")[2:] == [
+        "| sampling (vLLM awake) | 7.00 | 2.5 | 2.5 |",  # memory: the mean of 2.0 and 3.0
+        "| recompute | 1.00 | 2.5 | 2.5 |",
+        "| training (4 optimizer steps) | 2.00 | 2.5 | 2.5 |",
+        "| weight sync | 0.500 | 2.5 | 2.5 |",
+        "| whole step | 10.5 |  |  |"]
+
+
+def test_fill_blocks():
+    from sanity.results_tables import fill_blocks
+    begin = "<!-- generated by python -m sanity.results_tables ({}): do not edit -->"
+    end = "<!-- end generated -->"
+    page = f"intro\n{begin.format('t')}\n| old |\n{end}\n- item\n  {begin.format('u')}\n  {end}\nafter\n"
+    out, changed = fill_blocks(page, {"t": "| a |\n|---|", "u": "| b |"})
+    assert out == (f"intro\n{begin.format('t')}\n| a |\n|---|\n{end}\n"
+                   f"- item\n  {begin.format('u')}\n  | b |\n  {end}\nafter\n")  # the list item's table indented
+    assert changed == ["t", "u"]
+    assert fill_blocks(out, {"t": "| a |\n|---|", "u": "| b |"}) == (out, [])
+    with pytest.raises(ValueError, match="'u', which is no table"):
+        fill_blocks(page, {"t": "| a |"})
+    with pytest.raises(ValueError, match="no generated block for v"):
+        fill_blocks(page, {"t": "| a |", "u": "| b |", "v": "| c |"})
+
+
+def test_hand_written_notes_name_the_missing_data():
+    """Every table outside a generated block says that it is hand-copied."""
+    lines = open(PAGE, encoding="utf-8").read().split("\n")
+    inside, tables = False, []
+    for i, line in enumerate(lines):
+        if "<!-- generated by python -m sanity.results_tables" in line:
+            inside = True
+        elif "<!-- end generated -->" in line:
+            inside = False
+        elif not inside and line.lstrip().startswith("|---"):
+            tables.append(i - 1)
+    assert tables
+    for i in tables:  # the paragraph just above the table is its note
+        j = i - 1
+        while not lines[j].strip():
+            j -= 1
+        while j > 0 and lines[j - 1].strip():
+            j -= 1
+        assert lines[j].startswith("*Hand-copied, not regenerated"), \
+            f"docs/results.md line {i + 1}: a hand-written table without its note"
+
