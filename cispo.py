@@ -424,8 +424,7 @@ def main(args: Args) -> None:
                                        seq_lens, entropy_sum)
         sums.update(r_sums)
         maxes.update(r_maxes)
-        weight_all, w_sums, w_maxes = correction_weights(old_all, mu_all, rmask_all, args.corrections,
-                                                         args.is_threshold)
+        w_all, w_sums, w_maxes = correction_weights(old_all, mu_all, rmask_all, args.corrections, args.is_threshold)
         sums.update(w_sums)
         maxes.update(w_maxes)
 
@@ -436,7 +435,7 @@ def main(args: Args) -> None:
         # CISPO: N_tok of the normalizer, each mini-batch's response tokens over all ranks (one all-reduce)
         num_tokens_global = reduce_stats({k: sum(resp_lens[k * seqs_per_mb:(k + 1) * seqs_per_mb])
                                           for k in range(args.num_minibatches)}, "sum", device)
-        loss_sum, pol, rej = 0.0, {}, {}  # summed over micro-batches: the loss's statistics, the rejection counts
+        loss_sum, pol = 0.0, {}  # summed over micro-batches: the loss's statistics
         first_logp, first_entropy = {}, 0.0  # pi_old's rows and entropy when nothing recomputes them
         grad_norms, skipped = [], 0
         for k in range(args.num_minibatches):
@@ -456,14 +455,14 @@ def main(args: Args) -> None:
                 # the rejection rules on pi_old/mu, or with --old-logp mu on pi_theta/mu (verl's bypass mode)
                 keep_BT, rej_mb = rejection_mask(old_BT if recompute else logp_BT.detach(),
                                                  logp_BT.detach(), mu_BT, adv_mb, rmask, rules)
-                weight_BT = torch.where(keep_BT, to_device(weight_all[idx, :Tm], device), 0.0)
+                weight_BT = torch.where(keep_BT, to_device(w_all[idx, :Tm], device), 0.0)
                 loss, stats = policy_loss(logp_BT, old_BT, adv_mb, weight_BT, rmask, args.eps_low, args.eps_high,
                                           max(num_tokens_global[k], 1.0))  # CISPO
                 # FSDP averages gradients over ranks; times world_size makes that the global sum / N_tok
                 scaler.scale_loss(loss * world_size).backward()
                 loss_sum += loss.detach()
                 add_sums(pol, stats)
-                add_sums(rej, rej_mb)
+                add_sums(sums, rej_mb)  # the rejection counts, summed into the step's statistics
             norm, was_skipped = scaler.step(params, optimizer, args.max_grad_norm)
             grad_norms.append(norm)
             skipped += was_skipped
@@ -479,12 +478,13 @@ def main(args: Args) -> None:
         mem.update(phase_memory(device, "sync"))
 
         # --- 7. log
-        sums.update(loss=loss_sum, **{f"policy_{key}": v for key, v in pol.items()}, **rej)
+        sums.update(loss=loss_sum, **{f"policy_{key}": v for key, v in pol.items()})
         g, g_max, g_min = (reduce_stats(d, op, device) for d, op in ((sums, "sum"), (maxes, "max"), (mins, "min")))
         metrics = {
             **step_metrics(g, g_max, args.group_size, args.num_minibatches, grad_norms, scaler, args.lr,
                            {"sample": t_sample, "recompute": t_recompute, "train": t_train, "sync": t_sync}), **mem,
-            **mismatch_metrics(g, g_max, g_min, seq_ratio), **correction_metrics(g, g_max, rules),
+            **mismatch_metrics(g, g_max, g_min, seq_ratio),
+            **correction_metrics(g, g_max, rules),
             "policy/clip_frac": g["policy_clip"] / max(g["policy_tokens"], 1.0),  # CISPO: tokens whose weight was clipped
             "policy/approx_kl": g["policy_approx_kl"] / max(g["policy_tokens"], 1.0),
         }

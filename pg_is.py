@@ -238,11 +238,11 @@ def policy_loss(logp_BT, old_logp_BT, mu_logp_BT, adv_B, mask_BT, is_mode: str, 
     Returns (loss, local sums and max for the is/ and policy/ metrics, as 0-d tensors: the caller adds them up and reads
     them once per step, where a .item() here would wait for the GPU)."""
     m = mask_BT.float()
+    log_ratio_BT = logp_BT - old_logp_BT
     w_B, log_rho_B = seq_importance_weights(logp_BT.detach(), mu_logp_BT, m, is_mode, threshold)
     loss_BT = -(w_B * adv_B)[:, None] * logp_BT
     loss = (loss_BT * m).sum() / max_response_len / num_seqs
     with torch.no_grad():
-        log_ratio_BT = logp_BT - old_logp_BT
         rho_B = torch.exp(log_rho_B.clamp(max=LOG_RHO_MAX))  # capped as --is-mode is caps it (an inf: a useless mean)
         stats = {"seqs": float(len(w_B)), "weight": w_B.sum(), "rho": rho_B.sum(), "rho_max": rho_B.max(),
                  "rho_over": (log_rho_B > math.log(threshold)).sum(), "rho_clamped": (log_rho_B > LOG_RHO_MAX).sum(),
@@ -495,13 +495,12 @@ def main(args: Args) -> None:
             "is/seq_mask_frac": g["policy_rho_over"] / max(g["policy_seqs"], 1.0),
             "is/weight_mean": g["policy_weight"] / max(g["policy_seqs"], 1.0),
             "is/log_rho_clamp_frac": g["policy_rho_clamped"] / max(g["policy_seqs"], 1.0),  # log rho > LOG_RHO_MAX
-            # PG-Seq-IS: no pi_old of mini-batches 2..N without the recompute, so no approx KL then
-            **({"policy/approx_kl": g["policy_approx_kl"] / max(g["policy_tokens"], 1.0)}
-               if recompute else {}),
+            "policy/approx_kl": g["policy_approx_kl"] / max(g["policy_tokens"], 1.0),
         }
         if not recompute:  # no recompute: the mismatch against the first mini-batch's forward instead
             metrics.update(first_minibatch_mismatch(first_logp, mu_all, rmask_all, float(first_entropy),
                                                     args.is_threshold, seq_ratio, device))
+            del metrics["policy/approx_kl"]  # PG-Seq-IS: without pi_old of mini-batches 2..N, no approx KL
         kl_metrics, warning = monitor.update(metrics["mismatch/kl_k3"])
         metrics.update(kl_metrics)
         metrics["time/step"] = time.perf_counter() - t_step

@@ -1,5 +1,4 @@
-"""PPO with a critic (per-token GAE advantages), with optional rollout corrections for the training-inference
-mismatch (Token-TIS, Seq-MIS, ... as grpo.py).
+"""PPO with a critic (per-token GAE advantages), with grpo.py's optional rollout corrections (Token-TIS, Seq-MIS, ...).
 
 What it is: PPO as the FP16 study runs it (arXiv 2510.26788; docs/algorithms.md): a critic initialized from the
 policy's weights with a scalar value head, per-token GAE advantages (gamma = lambda = 1) whitened over the rollout
@@ -44,7 +43,8 @@ from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
 from common.logprobs import collate, pad_float, recompute_logprobs, to_device
 from common.metrics import (MismatchMonitor, first_minibatch_mismatch, mismatch_metrics, mismatch_stats,
-                            add_sums, mean_finite, rollout_sums, step_metrics)
+                            add_sums, rollout_sums, step_metrics)
+from common.metrics import mean_finite  # PPO: for critic/grad_norm
 from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
                               resolve_precisions)
 from common.rewards import check_reward, check_step_rewards, score_rollout
@@ -251,7 +251,7 @@ def whiten_advantages(adv_BT: torch.Tensor, mask_BT: torch.Tensor, device=None) 
 
 def policy_loss(logp_BT, old_logp_BT, adv_BT, weight_BT, mask_BT, eps_low: float, eps_high: float,
                 max_response_len: int, num_seqs: int):  # PPO: per-token advantages adv_BT instead of adv_B
-    """Dr.GRPO's clipped surrogate with the constant normalizer, on PPO's per-token advantages A_it:
+    """Dr.GRPO's clipped surrogate with the constant normalizer:
     loss = (1/N_seq) sum_i sum_t m_it w_it l_it / L_max, l_it = -min(r_it A_it, clip(r_it, 1-eps_low, 1+eps_high) A_it),
     r_it = exp(logp - old_logp).
     N_seq is the mini-batch's sequence count over all ranks and micro-batches, so summing this over micro-batches
@@ -492,9 +492,8 @@ def main(args: Args) -> None:
             for mb in groups or micro_batches(seq_lens, args.micro_batch_tokens, device):  # PPO
                 ids, attn, rmask = collate([rollout.prompt_ids[i] for i in mb], [rollout.response_ids[i] for i in mb],
                                            pad_id, device)  # PPO
-                values_BT = critic(ids, attn, rmask).cpu()  # PPO
-                for row, i in enumerate(mb):  # PPO
-                    old_values[i] = values_BT[row, :resp_lens[i]]  # PPO
+                for i, row in zip(mb, critic(ids, attn, rmask).cpu()):  # PPO
+                    old_values[i] = row[:resp_lens[i]]  # PPO
         t_recompute = time.perf_counter() - t0
         mem.update(phase_memory(device, "recompute"))
 
@@ -509,8 +508,7 @@ def main(args: Args) -> None:
                                        seq_lens, entropy_sum)
         sums.update(r_sums)
         maxes.update(r_maxes)
-        weight_all, w_sums, w_maxes = correction_weights(old_all, mu_all, rmask_all, args.corrections,
-                                                         args.is_threshold)
+        w_all, w_sums, w_maxes = correction_weights(old_all, mu_all, rmask_all, args.corrections, args.is_threshold)
         sums.update(w_sums)
         maxes.update(w_maxes)
         # PPO: per-token GAE advantages and returns from V_old, the advantages whitened over all ranks' response tokens
@@ -518,23 +516,22 @@ def main(args: Args) -> None:
         adv_raw, returns_all = gae_advantages(rewards_B, values_all, rmask_all, args.gamma, args.lam)
         adv_all = whiten_advantages(adv_raw, rmask_all, device)
         resid = (returns_all - values_all) * rmask_all  # PPO: for the explained variance of V_old
-        sums.update(value=values_all.sum().item(), ret=returns_all.sum().item(), ret_sq=(returns_all ** 2).sum().item(),
-                    resid=resid.sum().item(), resid_sq=(resid ** 2).sum().item(),
-                    adv_raw=adv_raw.sum().item(), adv_raw_sq=(adv_raw ** 2).sum().item())
+        sums.update(value=values_all.sum(), ret=returns_all.sum(), ret_sq=(returns_all ** 2).sum(), resid=resid.sum(),
+                    resid_sq=(resid ** 2).sum(), adv_raw=adv_raw.sum(), adv_raw_sq=(adv_raw ** 2).sum())
 
-        # --- 5. num_minibatches optimizer steps over the rollout batch (whole groups per mini-batch); PPO: both models
+        # --- 5. num_minibatches optimizer steps over the rollout batch (whole groups per mini-batch)
         t0 = time.perf_counter()
         model.train()
-        critic.train()  # PPO
+        critic.train()  # PPO: both models take the optimizer steps
         seqs_per_mb = len(seq_lens) // args.num_minibatches
         num_seqs_global = seqs_per_mb * world_size  # N_seq of the constant normalizer: all ranks, all micro-batches
         # PPO: N_tok of the value loss, each mini-batch's response tokens over all ranks (one all-reduce)
         num_tokens_global = reduce_stats({k: sum(resp_lens[k * seqs_per_mb:(k + 1) * seqs_per_mb])
                                           for k in range(args.num_minibatches)}, "sum", device)
-        loss_sum, pol, rej = 0.0, {}, {}  # summed over micro-batches: the loss's statistics, the rejection counts
+        loss_sum, pol = 0.0, {}  # summed over micro-batches: the loss's statistics
         first_logp, first_entropy = {}, 0.0  # pi_old's rows and entropy when nothing recomputes them
         grad_norms, skipped = [], 0
-        crit, critic_grad_norms = {}, []  # PPO: the value loss and clip counts, summed over micro-batches
+        critic_grad_norms = []  # PPO
         for k in range(args.num_minibatches):
             mb_idx = list(range(k * seqs_per_mb, (k + 1) * seqs_per_mb))
             for micro in micro_batches([seq_lens[i] for i in mb_idx], args.micro_batch_tokens, device):
@@ -552,21 +549,21 @@ def main(args: Args) -> None:
                 # the rejection rules on pi_old/mu, or with --old-logp mu on pi_theta/mu (verl's bypass mode)
                 keep_BT, rej_mb = rejection_mask(old_BT if recompute else logp_BT.detach(),
                                                  logp_BT.detach(), mu_BT, None, rmask, rules)  # PPO: no opsm
-                weight_BT = torch.where(keep_BT, to_device(weight_all[idx, :Tm], device), 0.0)
+                weight_BT = torch.where(keep_BT, to_device(w_all[idx, :Tm], device), 0.0)
                 loss, stats = policy_loss(logp_BT, old_BT, adv_mb, weight_BT, rmask, args.eps_low, args.eps_high,
                                           args.max_response_len, num_seqs_global)
                 # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
                 scaler.scale_loss(loss * world_size).backward()
                 loss_sum += loss.detach()
                 add_sums(pol, stats)
-                add_sums(rej, rej_mb)
+                add_sums(sums, rej_mb)  # the rejection counts, summed into the step's statistics
                 # PPO: the critic on the same micro-batch; its loss is a mean over N_tok, so times world_size again
                 values_BT = critic(ids, attn, rmask)
                 vloss, vstats = value_loss(values_BT, to_device(values_all[idx, :Tm], device),
                                            to_device(returns_all[idx, :Tm], device), rmask, args.value_clip,
                                            max(num_tokens_global[k], 1.0))
                 critic_scaler.scale_loss(vloss * world_size).backward()
-                add_sums(crit, {"value_loss": vloss.detach(), "value_clip": vstats["clip"]})  # PPO
+                add_sums(sums, {"value_loss": vloss.detach(), "value_clip": vstats["clip"]})  # PPO: over micro-batches
             norm, was_skipped = scaler.step(params, optimizer, args.max_grad_norm)
             grad_norms.append(norm)
             skipped += was_skipped
@@ -585,14 +582,14 @@ def main(args: Args) -> None:
         mem.update(phase_memory(device, "sync"))
 
         # --- 7. log
-        sums.update(loss=loss_sum, **{f"policy_{key}": v for key, v in pol.items()}, **rej)
-        sums.update(crit)  # PPO
+        sums.update(loss=loss_sum, **{f"policy_{key}": v for key, v in pol.items()})
         g, g_max, g_min = (reduce_stats(d, op, device) for d, op in ((sums, "sum"), (maxes, "max"), (mins, "min")))
         n_tok = max(g["n_tokens"], 1.0)  # PPO: the critic's keys are means over the response tokens
         metrics = {
             **step_metrics(g, g_max, args.group_size, args.num_minibatches, grad_norms, scaler, args.lr,
                            {"sample": t_sample, "recompute": t_recompute, "train": t_train, "sync": t_sync}), **mem,
-            **mismatch_metrics(g, g_max, g_min, seq_ratio), **correction_metrics(g, g_max, rules),
+            **mismatch_metrics(g, g_max, g_min, seq_ratio),
+            **correction_metrics(g, g_max, rules),
             "policy/clip_frac": g["policy_clip"] / max(g["policy_tokens"], 1.0),
             "policy/approx_kl": g["policy_approx_kl"] / max(g["policy_tokens"], 1.0),
             # PPO: the critic (V_old: its values before this step's update; R = A + V_old, before whitening)
