@@ -116,8 +116,7 @@ def check_finite_logprobs(step: int, mask_BT: torch.Tensor, device, train: str, 
                             "--train-precision / --rollout-precision bf16 or fp32 for that side")
 
 
-FORMAT_MAX = {"fp16": torch.finfo(torch.float16).max, "bf16": torch.finfo(torch.bfloat16).max,
-              "fp32": torch.finfo(torch.float32).max}
+FORMAT_MAX = {name: torch.finfo(dtype).max for name, dtype in DTYPES.items()}
 
 
 @torch.no_grad()
@@ -153,10 +152,9 @@ def check_forward_range(model, lm, prompts: list[list[int]], pad_id: int, device
             h.remove()
     peaks = reduce_stats(peaks, "max", device)
     finite = reduce_stats({"nonfinite": float(not finite)}, "max", device)["nonfinite"] == 0
-    order = [name for name, _ in named]
     top = max(peaks.values())
     for side, prec in (("training", train), ("rollouts", rollout)):
-        first = next((n for n in order if peaks[n] >= FORMAT_MAX[prec]), None)
+        first = next((n for n, _ in named if peaks[n] >= FORMAT_MAX[prec]), None)  # (peaks' keys are sorted now)
         if first is None and side == "training" and not finite:
             first = "the log-prob head"
         # with a finite peak, the formats that hold it; past the train precision's range, the wider formats
