@@ -52,10 +52,9 @@ def first_minibatch_mismatch(first_logp: dict, mu_logp_BT: torch.Tensor, mask_BT
     sequences of the step's first mini-batch, from the log-probs (and entropy sum) of their training forward, which
     runs before any optimizer step and so with the weights that sampled the batch. first_logp: {row: 1-D fp32}."""
     from common.dist import reduce_stats
+    from common.logprobs import pad_float
     rows = sorted(first_logp)
-    old_BT = torch.zeros((len(rows), mu_logp_BT.shape[1]), dtype=torch.float32)
-    for r, i in enumerate(rows):
-        old_BT[r, :len(first_logp[i])] = first_logp[i]
+    old_BT = pad_float([first_logp[i] for i in rows], mu_logp_BT.shape[1], "cpu")
     sums, maxes, mins = mismatch_stats(old_BT, mu_logp_BT[rows], mask_BT[rows], threshold, seq_ratio)
     sums["entropy"] = entropy
     g, g_max, g_min = (reduce_stats(d, op, device) for d, op in ((sums, "sum"), (maxes, "max"), (mins, "min")))
