@@ -1,9 +1,5 @@
-"""Trainer-side log-probs of sampled tokens, in fp32, without ever holding a micro-batch's full fp32 logits.
-
-The logits of N response tokens over a vocabulary V are N x V: at 16K tokens and V = 152K that is 10 GB in fp32.
-So the final projection runs over chunks of tokens, and with gradients each chunk is checkpointed (its logits are
-recomputed in the backward pass instead of kept).
-"""
+"""Trainer-side log-probs of sampled tokens, in fp32, without ever holding a micro-batch's full fp32 logits (at 16K
+tokens and a vocabulary of 152K, 10 GB): chunks of tokens, each checkpointed under gradient (docs/algorithms.md)."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
