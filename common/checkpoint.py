@@ -209,9 +209,8 @@ def write_safetensors(path: str, entries: list[tuple[str, tuple, torch.dtype]], 
 
 
 def check_shared_dir(path: str, device) -> None:
-    """Collective. Checkpoints put every rank's files into one directory and resuming (on any number of ranks) reads
-    all of them, so `path` must be on a filesystem that every rank sees. Raises ValueError, on every rank, when one
-    does not see a file rank 0 has just written there (e.g. a node-local run directory on a multi-node run)."""
+    """Collective. Raises ValueError, on every rank, when one does not see a file rank 0 has just written into `path`:
+    checkpoints need a filesystem every rank sees (docs/scale.md, Shared filesystem)."""
     if dist.get_world_size() == 1:
         return
     token = [secrets.token_hex(8) if dist.get_rank() == 0 else None]
