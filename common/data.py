@@ -110,9 +110,8 @@ def _format_of(template: str) -> str:
 
 
 def format_prompt(tokenizer, problem: str, template: str) -> list[int]:
-    """Token ids of the prompt for one problem; template as --prompt-template: "chat" (the tokenizer's chat template,
-    the problem + INSTRUCTION as the user turn), "chat:<format>" (the chat template, <format> as the user turn) or a
-    format string with {problem} and optionally {instruction}."""
+    """Token ids of the prompt for one problem; template as --prompt-template: "chat" or "chat:<format>" (the
+    tokenizer's chat template, the user turn from _format_of) or a format string with {problem}, optionally {instruction}."""
     if template == "chat" or template.startswith("chat:"):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this tokenizer has no chat template; pass a raw template instead, "
