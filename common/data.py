@@ -111,7 +111,8 @@ def _format_of(template: str) -> str:
 
 def format_prompt(tokenizer, problem: str, template: str) -> list[int]:
     """Token ids of the prompt for one problem; template as --prompt-template: "chat" or "chat:<format>" (the
-    tokenizer's chat template, the user turn from _format_of) or a format string with {problem}, optionally {instruction}."""
+    tokenizer's chat template, the user turn from _format_of) or a format string with {problem}, optionally
+    {instruction}."""
     if template == "chat" or template.startswith("chat:"):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this tokenizer has no chat template; pass a raw template instead, "
@@ -121,7 +122,8 @@ def format_prompt(tokenizer, problem: str, template: str) -> list[int]:
         content = user.replace("\\n", "\n").format(problem=problem, instruction=INSTRUCTION)
         messages = [{"role": "user", "content": content}]
         # return_dict=False: the token ids as a list (transformers 5's default is a BatchEncoding, 4.x's the list)
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
 
     _check_template(template)
     # a shell passes "\n" typed in --prompt-template as backslash + n: it means a newline
