@@ -47,18 +47,25 @@ def set_rng_state(state: dict, generator: torch.Generator | None = None) -> None
 
 def rng_to_json(state: dict) -> dict:
     """An rng_state() as plain JSON (numbers and lists): a checkpoint's RNG file is then read without unpickling,
-    i.e. without running code a shared checkpoint could carry."""
-    out = {key: value.tolist() for key, value in state.items() if torch.is_tensor(value)}  # torch, cuda, sampler
-    name, keys, *rest = state["numpy"]
-    return {"python": state["python"], "numpy": [name, keys.tolist(), *rest], **out}  # python's: tuples of ints
+    i.e. without running code a shared checkpoint could carry. (Python's state, tuples of ints, is JSON as it is.)"""
+    out = {key: value.tolist() if torch.is_tensor(value) else value for key, value in state.items()}
+    if "numpy" in state:
+        name, keys, *rest = state["numpy"]
+        out["numpy"] = [name, keys.tolist(), *rest]
+    return out
 
 
 def rng_from_json(data: dict) -> dict:
     """The inverse of rng_to_json."""
-    version, internal, gauss = data["python"]
-    name, keys, *rest = data["numpy"]
-    out = {key: torch.tensor(value, dtype=torch.uint8) for key, value in data.items() if key not in ("python", "numpy")}
-    return {"python": (version, tuple(internal), gauss), "numpy": (name, np.array(keys, dtype=np.uint32), *rest), **out}
+    out = {}
+    for key, value in data.items():
+        if key == "python":
+            out[key] = (value[0], tuple(value[1]), value[2])
+        elif key == "numpy":
+            out[key] = (value[0], np.array(value[1], dtype=np.uint32), *value[2:])
+        else:
+            out[key] = torch.tensor(value, dtype=torch.uint8)
+    return out
 
 
 class CheckpointError(TrainingFault):
