@@ -1,10 +1,9 @@
 """Checkpoints, written by every rank and readable by any number of ranks: a Hugging Face model directory (fp32
-model.safetensors, written by rank 0 one tensor at a time as each is gathered), optimizer/ (DCP shards, each rank its
-own; resharded on load), trainer_state.json and rng_rank{r}.json (JSON, not a pickle). Written to `<name>.tmp`,
-fsynced and renamed into place when complete; a rank that fails to write makes every rank stop with the same line.
-What each file holds, the phases of a save, resuming from an older step and what to trust: docs/checkpoints.md.
+model.safetensors, streamed by rank 0), optimizer/ (DCP shards, resharded on load), trainer_state.json and
+rng_rank{r}.json. What each file holds, the phases of a save, resuming from an older step: docs/checkpoints.md.
 """
 import json
+import math
 import os
 import random
 import re
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from tqdm import tqdm
 
 from common.dist import reduce_stats
 from common.fsdp import full_state_names, iter_full_state
@@ -47,17 +47,11 @@ def set_rng_state(state: dict, generator: torch.Generator | None = None) -> None
 
 def rng_to_json(state: dict) -> dict:
     """An rng_state() as plain JSON (numbers and lists): a checkpoint's RNG file is then read without unpickling,
-    i.e. without running code a shared checkpoint could carry."""
-    out = {}
-    for key, value in state.items():
-        if key == "python":
-            version, internal, gauss = value
-            out[key] = [version, list(internal), gauss]
-        elif key == "numpy":
-            name, keys, pos, has_gauss, cached = value
-            out[key] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
-        else:  # torch, cuda, sampler: byte tensors
-            out[key] = value.tolist()
+    i.e. without running code a shared checkpoint could carry. (Python's state, tuples of ints, is JSON as it is.)"""
+    out = {key: value.tolist() if torch.is_tensor(value) else value for key, value in state.items()}
+    if "numpy" in state:
+        name, keys, *rest = state["numpy"]
+        out["numpy"] = [name, keys.tolist(), *rest]
     return out
 
 
@@ -83,9 +77,8 @@ def save_checkpoint(ckpt_root: str, step: int, model: torch.nn.Module, lm: torch
                     optimizer: torch.optim.Optimizer | None, trainer_state: dict, rank_state: dict,
                     keep_last: int = 0) -> str:
     """Collective: every rank calls it. `model` is the FSDP root, `lm` the Hugging Face model inside it. After each
-    phase in which ranks write on their own, all agree on success (agree_on_failure), so a failing rank leaves none
-    waiting in a collective; the step's directory then stays `<name>.tmp`. keep_last: prune to the newest keep_last,
-    counting this one, after the durable rename (a checkpoint of a later step is never pruned). docs/checkpoints.md."""
+    phase all ranks agree on success (agree_on_failure); keep_last: prune to the newest keep_last, counting this one,
+    after the durable rename. The phases and what a failure leaves: docs/checkpoints.md."""
     rank = dist.get_rank()
     final = os.path.join(ckpt_root, f"step_{step:06d}")
     tmp = final + ".tmp"
@@ -201,18 +194,15 @@ def write_safetensors(path: str, entries: list[tuple[str, tuple, torch.dtype]], 
     and writing that would otherwise look like a hang)."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape, dtype in entries:
-        size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        size = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    bar = None
-    if progress is None and offset >= progress_min_bytes:  # (only rank 0 writes this file: one bar)
-        from tqdm import tqdm
-        bar = tqdm(total=offset, unit="B", unit_scale=True, desc=f"[checkpoint] {os.path.basename(path)}",
-                   leave=False, mininterval=5.0)
+    bar = tqdm(total=offset, unit="B", unit_scale=True, desc=f"[checkpoint] {os.path.basename(path)}", leave=False,
+               mininterval=5.0, disable=progress is not None or offset < progress_min_bytes)  # (only rank 0 writes)
     written = 0
-    with open(path, "wb") as f:
+    with open(path, "wb") as f, bar:
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
         for (name, shape, dtype), (got, t) in zip(entries, tensors, strict=True):
@@ -222,16 +212,12 @@ def write_safetensors(path: str, entries: list[tuple[str, tuple, torch.dtype]], 
             written += t.numel() * t.element_size()
             if progress is not None:
                 progress(written, offset)
-            if bar is not None:
-                bar.update(t.numel() * t.element_size())
-    if bar is not None:
-        bar.close()
+            bar.update(t.numel() * t.element_size())
 
 
 def check_shared_dir(path: str, device) -> None:
-    """Collective. Checkpoints put every rank's files into one directory and resuming (on any number of ranks) reads
-    all of them, so `path` must be on a filesystem that every rank sees. Raises ValueError, on every rank, when one
-    does not see a file rank 0 has just written there (e.g. a node-local run directory on a multi-node run)."""
+    """Collective. Raises ValueError, on every rank, when one does not see a file rank 0 has just written into `path`:
+    checkpoints need a filesystem every rank sees (docs/scale.md, Shared filesystem)."""
     if dist.get_world_size() == 1:
         return
     token = [secrets.token_hex(8) if dist.get_rank() == 0 else None]
@@ -270,20 +256,19 @@ def checkpoint_step(path: str) -> int:
 
 
 def set_aside_newer(ckpt_root: str, step: int) -> str | None:
-    """Collective. A run resumed from step `step` while ckpt_root holds checkpoints of later steps (it went back to
-    an older checkpoint) starts a new line of steps: the later checkpoints, of the line it left, are moved into
-    ckpt_root/abandoned_<time>/ (never deleted), so that --resume latest and keep-last see one line only. Returns
-    that directory (None when there was nothing to move); raises ValueError, on every rank, when the move fails."""
+    """Collective. Move the checkpoints of steps after `step` into ckpt_root/abandoned_<time>/ (never deleted):
+    a resume from an older checkpoint starts a new line of steps (docs/checkpoints.md). Returns that directory (None
+    when there was nothing to move); raises ValueError, on every rank, when the move fails."""
     moved, error = None, None
     if dist.get_rank() == 0:
         newer = [c for c in list_checkpoints(ckpt_root) if checkpoint_step(c) > step]
         if newer:
             try:
-                moved = os.path.join(ckpt_root, "abandoned_" + time.strftime("%Y%m%d-%H%M%S"))
+                moved = base = os.path.join(ckpt_root, "abandoned_" + time.strftime("%Y%m%d-%H%M%S"))
                 n = 1
                 while os.path.lexists(moved):  # (a second resume within the same second)
                     n += 1
-                    moved = os.path.join(ckpt_root, "abandoned_" + time.strftime("%Y%m%d-%H%M%S") + f"_{n}")
+                    moved = f"{base}_{n}"
                 os.makedirs(moved)
                 for c in newer:
                     os.replace(c, os.path.join(moved, os.path.basename(c)))

@@ -1,6 +1,5 @@
-"""The value model of PPO (the critic): a Hugging Face causal LM's transformer with a scalar value head, sharded and
-precision-managed exactly like the policy (common/fsdp.py), and how its value head travels through checkpoints.
-The value loss lives in ppo.py."""
+"""The value model of PPO (the critic, docs/algorithms.md) and how its value head travels through checkpoints. The
+value loss lives in ppo.py."""
 import json
 import os
 
@@ -9,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.fsdp import full_tensor, load_sharded
-from common.logprobs import response_positions
+from common.logprobs import response_hidden
 
 
 class CriticModel(nn.Module):
@@ -26,10 +25,7 @@ class CriticModel(nn.Module):
         """Same inputs and layout as PolicyModel.forward. Returns values_BT, fp32, 0 off-mask: values_BT[b, t] is
         V(s_t), the value of the state (prompt + response tokens < t) from which response token t is generated, read
         at the same position as the logits that predict token t."""
-        out = self.lm.model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, use_cache=False)
-        hidden_BLH = out.last_hidden_state
-        is_resp_BL = response_positions(attention_mask_BL, response_mask_BT)
-        hidden_NH = hidden_BLH[:, :-1][is_resp_BL[:, 1:]]
+        hidden_NH, _ = response_hidden(self.lm, input_ids_BL, attention_mask_BL, response_mask_BT)
         # the head's product in fp32 (its weights arrive in the compute dtype): values are never rounded to 16 bits
         w, b = self.value_head.weight, self.value_head.bias
         values_N = F.linear(hidden_NH.float(), w.float(), b.float()).squeeze(-1)
@@ -58,9 +54,7 @@ def load_critic(path: str, param_dtype: torch.dtype, device: torch.device, gradi
         head = init_value_head(lm.config.hidden_size, seed)
         saved = saved_value_head(path)
         if saved is not None:
-            with torch.no_grad():
-                head.weight.copy_(torch.tensor(saved["weight"], dtype=torch.float32))
-                head.bias.copy_(torch.tensor(saved["bias"], dtype=torch.float32))
+            head.load_state_dict({name: torch.tensor(v, dtype=torch.float32) for name, v in saved.items()})
         # an untied lm_head is never used by the critic: frozen, so that no optimizer holds it (AdamW would keep no
         # state for a weight that gets no gradient, while a resumed run's fresh optimizer asks the checkpoint for its
         # state: "Missing key ... lm.lm_head.weight.step"). Tied, it is the embedding, which the critic trains
@@ -78,8 +72,7 @@ def load_critic(path: str, param_dtype: torch.dtype, device: torch.device, gradi
 @torch.no_grad()
 def value_head_state(critic: CriticModel) -> dict:
     """The full value head as JSON-able lists. A collective under FSDP2: every rank calls it."""
-    full = lambda t: full_tensor(t).float().cpu()
-    return {"weight": full(critic.value_head.weight).tolist(), "bias": full(critic.value_head.bias).tolist()}
+    return {name: full_tensor(p).float().cpu().tolist() for name, p in critic.value_head.named_parameters()}
 
 
 def saved_value_head(path: str) -> dict | None:

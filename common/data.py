@@ -38,16 +38,16 @@ def _read_rows(path: str) -> list[tuple[str, object]]:
                 raise ValueError(f"{path}: line {e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(data, list):
             raise ValueError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
-        return [(f"row {i} (0-based)", row) for i, row in enumerate(data)]
-    if ext == ".parquet":
+    elif ext == ".parquet":
         import pyarrow.parquet as pq
 
         try:
             data = pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow raises several types for a bad file
             raise ValueError(f"{path}: could not read parquet file ({type(e).__name__}: {e})".replace("\n", " ")) from None
-        return [(f"row {i} (0-based)", row) for i, row in enumerate(data)]
-    raise ValueError(f"{path}: unknown dataset file extension {ext!r} (expected .jsonl, .json or .parquet)")
+    else:
+        raise ValueError(f"{path}: unknown dataset file extension {ext!r} (expected .jsonl, .json or .parquet)")
+    return [(f"row {i} (0-based)", row) for i, row in enumerate(data)]
 
 
 def _pick_field(row: dict, names: tuple, what: str, where: str) -> str:
@@ -110,9 +110,9 @@ def _format_of(template: str) -> str:
 
 
 def format_prompt(tokenizer, problem: str, template: str) -> list[int]:
-    """Token ids of the prompt for one problem; template as --prompt-template: "chat" (the tokenizer's chat template,
-    the problem + INSTRUCTION as the user turn), "chat:<format>" (the chat template, <format> as the user turn) or a
-    format string with {problem} and optionally {instruction}."""
+    """Token ids of the prompt for one problem; template as --prompt-template: "chat" or "chat:<format>" (the
+    tokenizer's chat template, the user turn from _format_of) or a format string with {problem}, optionally
+    {instruction}."""
     if template == "chat" or template.startswith("chat:"):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this tokenizer has no chat template; pass a raw template instead, "
@@ -121,14 +121,9 @@ def format_prompt(tokenizer, problem: str, template: str) -> list[int]:
         _check_template(user)
         content = user.replace("\\n", "\n").format(problem=problem, instruction=INSTRUCTION)
         messages = [{"role": "user", "content": content}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding, 4.x a plain list
-            ids = ids["input_ids"]
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        if ids and isinstance(ids[0], list):  # a batch of one
-            ids = ids[0]
-        return [int(t) for t in ids]
+        # return_dict=False: the token ids as a list (transformers 5's default is a BatchEncoding, 4.x's the list)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
 
     _check_template(template)
     # a shell passes "\n" typed in --prompt-template as backslash + n: it means a newline

@@ -16,12 +16,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 
 def backend_for(cuda: bool, cpu_offload: bool) -> str:
-    """The process group's backend. GPU: nccl, and gloo beside it only with cpu_offload (one group, two backends,
-    each collective taking its tensors' one: the offloaded gradients are CPU tensors and clip_grad_norm_ all-reduces
-    their norm there). gloo connects every pair of ranks at start over the interface the hostname resolves to, which
-    on some clusters is a loopback or wrong one (it then fails or hangs unless GLOO_SOCKET_IFNAME names the right
-    interface: docs/checkpoints.md), so a run without offload does not create it; object collectives
-    (broadcast_object_list, all_gather_object) run over nccl. CPU: gloo."""
+    """The process group's backend. GPU: nccl, and gloo beside it only with cpu_offload, for the offloaded gradients'
+    norm (gloo's start can fail on a cluster's wrong interface: docs/checkpoints.md, GLOO_SOCKET_IFNAME); object
+    collectives run over nccl. CPU: gloo."""
     if not cuda:
         return "gloo"
     return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
@@ -68,13 +65,9 @@ def cleanup_distributed() -> None:
     gc.collect()
 
 
-def is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def print0(*args, **kwargs) -> None:
     """print on rank 0 only."""
-    if is_main():
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
 
 
@@ -93,19 +86,13 @@ def stream_seed(seed: int, stream: int) -> int:
     return int(np.random.SeedSequence([seed, stream]).generate_state(1)[0])  # 32 bits: what every consumer takes
 
 
-def all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """All-reduce a tensor in place (float64 on the process group's device) and return it."""
-    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(x, op=ops[op])
-    return x
-
-
 def reduce_stats(values: dict, op: str = "sum", device=None) -> dict:
-    """Reduce a dict of floats over all ranks with one collective (op: sum, max or min)."""
+    """Reduce a dict of floats over all ranks with one collective (op: sum, max or min), in float64."""
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    return dict(zip(keys, all_reduce(t, op).tolist()))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+    return dict(zip(keys, t.tolist()))
 
 
 def phase_memory(device: torch.device, phase: str | None = None) -> dict:

@@ -80,10 +80,8 @@ def decoder_layers(lm: nn.Module) -> nn.ModuleList:
 
 
 def without_dropout(config) -> dict:
-    """Set every dropout rate of a Hugging Face config to 0 (attention_dropout, hidden_dropout, resid_pdrop, ...,
-    also in nested configs) and return the ones changed. The trainer's forwards run in train mode (gradient
-    checkpointing acts only there), so a checkpoint that sets a dropout rate would otherwise make old_logp and logp
-    random draws (differences of several nats) rather than the policy's log-probs. The sampler never drops out."""
+    """Set every dropout rate of a Hugging Face config to 0 (attention_dropout, resid_pdrop, ..., also in nested
+    configs) and return the ones changed: the trainer's forwards run in train mode (docs/scale.md, Dropout)."""
     changed = {}
     for key, value in list(vars(config).items()):
         if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a nested config (e.g. text_config)
@@ -97,12 +95,11 @@ def without_dropout(config) -> dict:
 def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool,
                  attn_implementation: str = "sdpa", cpu_offload: bool = False, compile: bool = False) -> nn.Module:
     """Build a Hugging Face causal LM with fp32 master weights and dropout off (without_dropout), wrap it (`wrap(lm)`
-    -> the root module, e.g. PolicyModel), and shard it with FSDP2: each decoder layer, then the root, which so owns
-    the embedding, the final norm, the lm_head (they may be tied) and what the wrapper adds. The full model never
-    exists on any rank: parameters are built on the meta device, sharded, and each rank reads only its own rows from
-    the safetensors files (docs/scale.md); what the files do not hold (buffers, a value head) is built on every rank.
-    cpu_offload: the sharded fp32 parameters, their gradients and the AdamW states stay in CPU memory (buffers stay on
-    `device`). compile: compile_layers, on a GPU only (on a CPU: minutes of compilation for little)."""
+    -> the root module, e.g. PolicyModel), and shard it with FSDP2: each decoder layer, then the root (embedding,
+    final norm, lm_head, what the wrapper adds). No rank holds the full model: each reads its own rows from the
+    safetensors files (docs/scale.md, Loading); what the files do not hold (buffers, a value head) is built on every
+    rank. cpu_offload: shards, gradients and AdamW states in CPU memory (buffers on `device`). compile:
+    compile_layers, on a GPU only (on a CPU: minutes of compilation for little)."""
     config = AutoConfig.from_pretrained(path)
     without_dropout(config)
     with _parameters_on_meta():
@@ -161,7 +158,8 @@ def compile_layers(lm: nn.Module) -> None:
 @contextmanager
 def _parameters_on_meta():
     """Modules built inside get their parameters on the meta device (no memory; their init does nothing) and their
-    buffers for real (rotary frequencies are computed from the config and are in no checkpoint)."""
+    buffers for real (rotary frequencies are computed from the config and are in no checkpoint). Not accelerate's
+    init_empty_weights: it re-wraps a parameter already on meta, which unties a tied lm_head."""
     register = nn.Module.register_parameter
 
     def on_meta(module, name, param):

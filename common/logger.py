@@ -1,7 +1,5 @@
-"""Logging on rank 0: a progress bar, one readable line per step, metrics.jsonl in the run directory, and wandb
-only with --track (offline when no account is configured). Other ranks get a logger that does nothing.
-
-The step line ends with the time since the logger started and an estimate of the time left (see eta_s)."""
+"""Logging on rank 0: a progress bar, one readable line per step (ending with the elapsed time and eta_s), metrics.jsonl
+in the run directory, and wandb only with --track (offline without an account). Other ranks' logger does nothing."""
 import json
 import math
 import os

@@ -1,9 +1,5 @@
-"""Trainer-side log-probs of sampled tokens, in fp32, without ever holding a micro-batch's full fp32 logits.
-
-The logits of N response tokens over a vocabulary V are N x V: at 16K tokens and V = 152K that is 10 GB in fp32.
-So the final projection runs over chunks of tokens, and with gradients each chunk is checkpointed (its logits are
-recomputed in the backward pass instead of kept).
-"""
+"""Trainer-side log-probs of sampled tokens, in fp32, without ever holding a micro-batch's full fp32 logits (at 16K
+tokens and a vocabulary of 152K, 10 GB): chunks of tokens, each checkpointed under gradient (docs/algorithms.md)."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -51,12 +47,7 @@ class PolicyModel(nn.Module):
                 with_entropy: bool = False):
         """input_ids_BL: prompt + response, right-padded. response_mask_BT: 1 on the response tokens, left-aligned
         (row b holds response b's tokens at 0..len_b-1). Returns (logp_BT, entropy_BT or None), fp32, 0 off-mask."""
-        out = self.lm.model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, use_cache=False)
-        hidden_BLH = out.last_hidden_state
-        # Position j predicts token j+1: the response's tokens are predicted from the positions just before them.
-        is_resp_BL = response_positions(attention_mask_BL, response_mask_BT)
-        hidden_NH = hidden_BLH[:, :-1][is_resp_BL[:, 1:]]
-        targets_N = input_ids_BL[:, 1:][is_resp_BL[:, 1:]]
+        hidden_NH, targets_N = response_hidden(self.lm, input_ids_BL, attention_mask_BL, response_mask_BT)
         logp_N, ent_N = chunked_logprobs(hidden_NH, self.lm.lm_head.weight, targets_N, temperature, chunk_size,
                                          with_entropy)
         logp_BT = torch.zeros(response_mask_BT.shape, dtype=torch.float32, device=logp_N.device)
@@ -86,12 +77,16 @@ def recompute_logprobs(model: PolicyModel, prompt_ids: list[list[int]], response
     return logp, entropy_sum
 
 
-def response_positions(attention_mask_BL: torch.Tensor, response_mask_BT: torch.Tensor) -> torch.Tensor:
-    """Boolean B x L mask of the response tokens inside the right-padded prompt+response rows."""
-    seq_len_B = attention_mask_BL.sum(-1)
-    resp_len_B = response_mask_BT.sum(-1)
+def response_hidden(lm: nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
+                    response_mask_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden_NH, targets_N): the final hidden states that predict the response tokens of the right-padded
+    prompt+response rows, and those tokens, in row-major order. Position j predicts token j+1: the response's tokens
+    are predicted from the positions just before them."""
+    seq_len_B, resp_len_B = attention_mask_BL.sum(-1), response_mask_BT.sum(-1)
     pos_L = torch.arange(attention_mask_BL.shape[1], device=attention_mask_BL.device)
-    return (pos_L[None] >= (seq_len_B - resp_len_B)[:, None]) & (pos_L[None] < seq_len_B[:, None])
+    is_resp_BL = (pos_L[None] >= (seq_len_B - resp_len_B)[:, None]) & (pos_L[None] < seq_len_B[:, None])
+    hidden_BLH = lm.model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, use_cache=False).last_hidden_state
+    return hidden_BLH[:, :-1][is_resp_BL[:, 1:]], input_ids_BL[:, 1:][is_resp_BL[:, 1:]]
 
 
 def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device):

@@ -52,10 +52,9 @@ def first_minibatch_mismatch(first_logp: dict, mu_logp_BT: torch.Tensor, mask_BT
     sequences of the step's first mini-batch, from the log-probs (and entropy sum) of their training forward, which
     runs before any optimizer step and so with the weights that sampled the batch. first_logp: {row: 1-D fp32}."""
     from common.dist import reduce_stats
+    from common.logprobs import pad_float
     rows = sorted(first_logp)
-    old_BT = torch.zeros((len(rows), mu_logp_BT.shape[1]), dtype=torch.float32)
-    for r, i in enumerate(rows):
-        old_BT[r, :len(first_logp[i])] = first_logp[i]
+    old_BT = pad_float([first_logp[i] for i in rows], mu_logp_BT.shape[1], "cpu")
     sums, maxes, mins = mismatch_stats(old_BT, mu_logp_BT[rows], mask_BT[rows], threshold, seq_ratio)
     sums["entropy"] = entropy
     g, g_max, g_min = (reduce_stats(d, op, device) for d, op in ((sums, "sum"), (maxes, "max"), (mins, "min")))
@@ -63,11 +62,8 @@ def first_minibatch_mismatch(first_logp: dict, mu_logp_BT: torch.Tensor, mask_BT
 
 
 class MismatchMonitor:
-    """Early warning of collapse. In the FP16 study the training-inference mismatch grows before training collapses
-    (BF16's KL(mu||pi) climbs from about 1e-3 towards 1). The baseline is the mean kl_k3 of the first `window`
-    steps; from then on, the mean of the last `window` steps over the baseline (floored at `floor`, so that a
-    near-exact fp32 baseline does not turn noise into alarms) is the growth, and a growth past `factor` warns.
-    Its state goes into checkpoints, so a resumed run keeps its baseline."""
+    """Early warning of collapse: the mean kl_k3 of the last `window` steps over that of the first `window` (floored at
+    `floor`), a warning past `factor` (docs/algorithms.md, "The collapse warning"). Its state goes into checkpoints."""
 
     def __init__(self, factor: float, window: int, floor: float = 1e-6):
         self.factor, self.window, self.floor = factor, window, floor

@@ -1,9 +1,5 @@
-"""Precision policies and FP16 dynamic loss scaling.
-
-`--precision` sets the trainer's compute dtype (FSDP2 param_dtype; master weights and optimizer states stay fp32)
-and the sampler's weight dtype; `--train-precision` / `--rollout-precision` override one side. Log-probs are fp32
-everywhere: they are never rounded to 16 bits.
-"""
+"""Precision policies, FP16 dynamic loss scaling and the range checks: what each flag sets and what stays fp32,
+docs/algorithms.md, "Precision"."""
 import math
 
 import torch
@@ -25,16 +21,11 @@ def resolve_precisions(precision: str, train: str | None, rollout: str | None) -
 
 
 class LossScaler:
-    """Dynamic loss scaling for FP16 (a no-op at scale 1 for bf16/fp32), in the order nanoGPT uses with GradScaler:
-    scale -> backward -> unscale -> clip -> step (skipped on inf/nan, scale halved) -> grow after a run of good steps.
-
-    Why not torch.amp.GradScaler: under FSDP2 every rank holds a shard of the gradients, and GradScaler decides to
-    skip from the shards it sees, so one rank can skip a step that another takes. Here the decision comes from the
-    global gradient norm (clip_grad_norm_ all-reduces it over the shards), so every rank skips the same steps.
-
-    A skipped step leaves the weights untouched. `fault` says when the run should stop rather than skip on: a
-    non-finite gradient without loss scaling (bf16/fp32: no overflow to blame, something is broken), or
-    `max_consecutive_skips` fp16 steps in a row skipped (the scale no longer recovers; 0: never).
+    """Dynamic loss scaling for FP16 (a no-op at scale 1 for bf16/fp32): the order of operations, and why not
+    torch.amp.GradScaler (it decides to skip from one rank's shards; here the global gradient norm decides, so every
+    rank skips the same steps): docs/algorithms.md, "FP16 loss scaling". A skipped step leaves the weights untouched.
+    `fault` says when the run should stop rather than skip on: a non-finite gradient without loss scaling, or
+    `max_consecutive_skips` fp16 steps in a row skipped (0: never).
     """
 
     def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000,
@@ -101,9 +92,8 @@ class LossScaler:
 
 def check_finite_logprobs(step: int, mask_BT: torch.Tensor, device, train: str, rollout: str, **logp_BT) -> None:
     """Collective. Raise TrainingFault, on every rank, when a response token's log-prob (the trainer's old_logp, the
-    sampler's mu_logp) is NaN or infinite on any rank: a sampled token has a finite log-prob under a sound model, and
-    a NaN would otherwise pass silently into the metrics (and, through the weights of a rollout correction, into
-    the loss). The usual cause is a forward that overflows in 16 bits."""
+    sampler's mu_logp) is NaN or infinite on any rank: a NaN would otherwise pass silently into the metrics and,
+    through a rollout correction's weights, into the loss (docs/algorithms.md, "Range checks")."""
     from common.dist import reduce_stats
     counts = {name: float((~torch.isfinite(t) & mask_BT).sum()) for name, t in logp_BT.items()}
     counts = reduce_stats(counts, "sum", device)
@@ -116,19 +106,16 @@ def check_finite_logprobs(step: int, mask_BT: torch.Tensor, device, train: str, 
                             "--train-precision / --rollout-precision bf16 or fp32 for that side")
 
 
-FORMAT_MAX = {"fp16": torch.finfo(torch.float16).max, "bf16": torch.finfo(torch.bfloat16).max,
-              "fp32": torch.finfo(torch.float32).max}
+FORMAT_MAX = {name: torch.finfo(dtype).max for name, dtype in DTYPES.items()}
 
 
 @torch.no_grad()
 def check_forward_range(model, lm, prompts: list[list[int]], pad_id: int, device, train: str, rollout: str,
                         chunk_size: int) -> dict:
-    """Collective (one forward under FSDP on every rank). Before any training, run the trainer's forward (in the
-    train precision) on this rank's first prompts and record the largest |activation| at the output of the embedding
-    and of every decoder layer, and whether the log-probs are finite. Raises ValueError when the train or rollout
-    precision cannot hold them (some model families reach activations beyond fp16's 65,504), naming the first layer
-    at fault and the precisions whose range does: otherwise such a run burns its steps skipping fp16 overflows or
-    samples from NaN. Returns {layer name: largest |activation| over all ranks}."""
+    """Collective (one forward under FSDP on every rank): the trainer's forward on this rank's first prompts records
+    the largest |activation| after the embedding and every decoder layer (docs/algorithms.md, "Range checks"). Raises
+    ValueError when the train or rollout precision cannot hold them or the log-probs are not finite, naming the first
+    layer at fault and the precisions whose range does. Returns {layer name: largest |activation| over all ranks}."""
     from common.dist import reduce_stats
     from common.fsdp import decoder_layers
     from common.logprobs import collate
@@ -153,10 +140,9 @@ def check_forward_range(model, lm, prompts: list[list[int]], pad_id: int, device
             h.remove()
     peaks = reduce_stats(peaks, "max", device)
     finite = reduce_stats({"nonfinite": float(not finite)}, "max", device)["nonfinite"] == 0
-    order = [name for name, _ in named]
     top = max(peaks.values())
     for side, prec in (("training", train), ("rollouts", rollout)):
-        first = next((n for n in order if peaks[n] >= FORMAT_MAX[prec]), None)
+        first = next((n for n, _ in named if peaks[n] >= FORMAT_MAX[prec]), None)  # (peaks' keys are sorted now)
         if first is None and side == "training" and not finite:
             first = "the log-prob head"
         # with a finite peak, the formats that hold it; past the train precision's range, the wider formats

@@ -1,7 +1,4 @@
-"""The run directory holds one run, and one run at a time uses it (docs/faults.md, "The run directory"): a run that
-does not resume refuses a directory holding another run's files unless --overwrite removes them, and rank 0 holds an
-exclusive lock on <run_dir>/.lock (fcntl.flock) for the run's life.
-"""
+"""The run directory holds one run, and one run at a time uses it (docs/faults.md, "The run directory")."""
 import fcntl
 import os
 import shutil
@@ -15,10 +12,9 @@ LOCK_FILE = ".lock"
 
 
 def claim_run_dir(run_dir: str, resume: bool, overwrite: bool):
-    """Collective (where a process group exists). Make run_dir, lock it and check it holds no other run (resume:
-    continuing the run there is the point; overwrite: remove that run's files). Raises ValueError, one line, on every
-    rank when the directory is locked by another run, holds another run without resume or overwrite, or cannot be
-    made. Returns the lock on rank 0 (an open file: keep a reference to it for the whole run), None elsewhere."""
+    """Collective (where a process group exists). Make run_dir, lock it and check it holds no other run (overwrite:
+    remove that run's files); ValueError, one line, on every rank otherwise (docs/faults.md). Returns the lock on
+    rank 0 (an open file: keep a reference to it for the whole run), None elsewhere."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     lock, error = None, None
     if rank == 0:

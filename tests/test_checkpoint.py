@@ -99,6 +99,13 @@ def test_rng_state_round_trips_through_json(process_group):
     assert [random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, generator=g).item()] == draws
 
 
+def test_an_empty_rng_state_round_trips():
+    """ppo.py saves its critic's checkpoint with no random streams ({}): written and read back as {}."""
+    import json
+    from common.checkpoint import rng_from_json, rng_to_json
+    assert rng_from_json(json.loads(json.dumps(rng_to_json({})))) == {}
+
+
 def test_resume_does_not_unpickle_the_rng_files(tmp_path, process_group):
     """A checkpoint's rng_rank0.pt that runs code when unpickled (resume loaded it with weights_only=False): not
     read; the RNG state comes from rng_rank0.json only."""
