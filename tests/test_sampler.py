@@ -30,7 +30,7 @@ def test_sampler_logprobs_equal_trainer_logprobs_fp32(tiny_model_dir, process_gr
         assert mu.dtype == torch.float32 and len(mu) == len(r) > 0
         assert fin == (r[-1] == 1) and (fin or len(r) == 12)  # finished iff it ends with eos; else cut at the limit
         assert 1 not in r[:-1]  # nothing after the end-of-sequence token
-        torch.testing.assert_close(logp[b, :len(r)], mu, atol=2e-5, rtol=0)
+        torch.testing.assert_close(logp[b, :len(r)].cpu(), mu, atol=2e-5, rtol=0)  # (a Rollout's log-probs: on the CPU)
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -121,9 +121,9 @@ def test_static_cache_decoding_equals_dynamic_cache_decoding(tiny_model_dir, pro
     _, _, device = process_group
     # 16 rows in decode batches of 4 and 8 (powers of two: no filler rows, so both draw the same random numbers)
     for batch_size in (4, 8):
-        dyn = HFSampler(tiny_model_dir, torch.float32, device, seed=5, batch_size=batch_size)
+        dyn = HFSampler(tiny_model_dir, torch.float32, device, seed=5, batch_size=batch_size, static_cache=False)
         sta = HFSampler(tiny_model_dir, torch.float32, device, seed=5, batch_size=batch_size, static_cache=True)
-        assert not dyn.static_cache and sta.static_cache and not sta.cuda_graph  # CPU: no graphs
+        assert not dyn.static_cache and sta.static_cache and sta.cuda_graph == (device.type == "cuda")  # graphs: GPU
         a = dyn.generate(PROMPTS4, 4, 20, temperature, top_p)
         b = sta.generate(PROMPTS4, 4, 20, temperature, top_p)
         _same_rollouts(a, b)
@@ -139,7 +139,7 @@ def test_static_cache_filler_rows_and_buckets(tiny_model_dir, process_group):
     """3 rows decode in a bucket of 4 (one filler row, which never holds up the early exit); greedy tokens are
     those of the DynamicCache decoding. Another prompt length within the same cache-length bucket keeps the state."""
     _, _, device = process_group
-    dyn = HFSampler(tiny_model_dir, torch.float32, device, seed=0, batch_size=4)
+    dyn = HFSampler(tiny_model_dir, torch.float32, device, seed=0, batch_size=4, static_cache=False)
     sta = HFSampler(tiny_model_dir, torch.float32, device, seed=0, batch_size=4, static_cache=True)
     _same_rollouts(dyn.generate(PROMPTS, 1, 16, 0.0), sta.generate(PROMPTS, 1, 16, 0.0))
     assert sta._static.key == (4, 256)  # 3 rows -> 4; 6 + 16 tokens -> a cache of 256
@@ -155,7 +155,7 @@ def test_static_cache_follows_weight_sync_between_calls(tiny_model_dir, process_
     """load_weights between generate calls: the static path (same parameter tensors, same decode state) decodes
     with the new weights, as the DynamicCache path does."""
     _, _, device = process_group
-    dyn = HFSampler(tiny_model_dir, torch.float32, device, seed=0, batch_size=4)
+    dyn = HFSampler(tiny_model_dir, torch.float32, device, seed=0, batch_size=4, static_cache=False)
     sta = HFSampler(tiny_model_dir, torch.float32, device, seed=0, batch_size=4, static_cache=True)
     before = sta.generate(PROMPTS4, 1, 12, 0.0)
     state = sta._static
@@ -225,7 +225,7 @@ def test_unusable_static_cache_falls_back_to_dynamic_cache(tiny_model_dir, proce
         def get_seq_length(self, layer_idx=0):
             return int(super().get_seq_length(layer_idx)) + 1
     monkeypatch.setattr(sampler_module, "StaticCache", ShiftedStaticCache)
-    dyn = HFSampler(tiny_model_dir, torch.float32, device, seed=4, batch_size=4)
+    dyn = HFSampler(tiny_model_dir, torch.float32, device, seed=4, batch_size=4, static_cache=False)
     s = HFSampler(tiny_model_dir, torch.float32, device, seed=4, batch_size=4, static_cache=True)
     _same_rollouts(dyn.generate(PROMPTS4, 2, 10, 1.0), s.generate(PROMPTS4, 2, 10, 1.0))
     assert not s.static_cache and "static-cache decoding unavailable" in capsys.readouterr().out
@@ -237,7 +237,7 @@ def test_unusable_static_cache_falls_back_to_dynamic_cache(tiny_model_dir, proce
     s = HFSampler(tiny_model_dir, torch.float32, device, seed=4, batch_size=4, static_cache=True)
     assert not s.static_cache and s.model.config._attn_implementation == "sdpa"
     assert "static-cache decoding unavailable" in capsys.readouterr().out
-    ref = HFSampler(tiny_model_dir, torch.float32, device, seed=4, batch_size=4)
+    ref = HFSampler(tiny_model_dir, torch.float32, device, seed=4, batch_size=4, static_cache=False)
     _same_rollouts(ref.generate(PROMPTS4, 2, 10, 1.0), s.generate(PROMPTS4, 2, 10, 1.0), atol=0)
 
 
