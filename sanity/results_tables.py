@@ -103,6 +103,19 @@ def runs_table(runs: list[tuple[str, list[dict], dict[int, float]]], acc_windows
     return md_table([""] + [label for label, _, _ in runs], rows)
 
 
+def eval_table(runs: list[tuple[str, list[dict], dict[int, float]]], steps: list[int], corner: str,
+               step_label: str = "{}") -> str:
+    """One row per run (label, training rows, held-out accuracy by step): its held-out accuracy at each of `steps`,
+    to 2 decimals; the columns are headed step_label.format(step), the first by `corner`."""
+    rows = []
+    for label, _, evals in runs:
+        missing = [s for s in steps if s not in evals]
+        if missing:
+            raise ValueError(f"{label}: no held-out accuracy at step {missing[0]}")
+        rows.append([label] + [fixed(evals[s], 2) for s in steps])
+    return md_table([corner] + [step_label.format(s) for s in steps], rows)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the offline analysis: sanity/mismatch_analysis.py's analysis.json
 
@@ -205,8 +218,15 @@ def load_runs(experiment: str, runs: list[tuple[str, str]]) -> list[tuple[str, l
 WORD_RUNS = [("grpo fp16", "grpo_fp16"), ("grpo bf16", "grpo_bf16"), ("bf16 token-tis", "tis_bf16"),
              ("bf16 seq-mis", "mis_bf16"), ("pg_is fp16", "pgis_fp16")]
 
+BUILTIN_RUNS = [("`python grpo.py`", "grpo"), ("`python pg_is.py`", "pg_is"), ("`python gspo.py`", "gspo"),
+                ("`python cispo.py`", "cispo"), ("`python ppo.py`", "ppo")]
+
 # name -> the table, from its data (paths relative to the repository)
 TABLES = {
+    "builtin_grpo": lambda: eval_table(load_runs("builtin_cpu", [("`eval/eval/accuracy`", "grpo")]),
+                                       [0, 20, 40, 60, 80, 100], corner="step"),
+    "builtin_algorithms": lambda: eval_table(load_runs("builtin_cpu", BUILTIN_RUNS), [0, 100], corner="command",
+                                             step_label="step {}"),
     "analysis_135m": lambda: analysis_table(read_json("sanity/results/real_model_h200/analysis/analysis.json")),
     "analysis_cot_1.5b": lambda: kl_slope_table(
         [read_json(f"sanity/results/cot_1.5b/analysis/{p}/analysis.json") for p in ("fp16", "bf16")]),

@@ -76,6 +76,20 @@ def test_runs_table_on_synthetic_metrics(tmp_path):
         runs_table([("A", rows, evals)], [(1, 2)], [(1, 2)], [0, 3], 2)
 
 
+def test_eval_table_on_synthetic_metrics(tmp_path):
+    from sanity.results_tables import eval_table, load_run
+    a = write_run(tmp_path / "a", accs=[0.5] * 4, kls=[1e-4] * 4, seq_mins=[0.0] * 4, evals={0: 0.25, 2: 0.5, 4: 0.875})
+    b = write_run(tmp_path / "b", accs=[0.5] * 4, kls=[1e-4] * 4, seq_mins=[0.0] * 4, evals={0: 0.125, 4: 0.6})
+    assert eval_table([("A", *load_run(a)), ("B", *load_run(b))], [0, 4], corner="command",
+                      step_label="step {}").split("\n") == [
+        "| command | step 0 | step 4 |",
+        "|---|---|---|",
+        "| A | 0.25 | 0.88 |",  # 0.875: round half to even gives 0.88
+        "| B | 0.12 | 0.60 |"]
+    with pytest.raises(ValueError, match="B: no held-out accuracy at step 2"):
+        eval_table([("B", *load_run(b))], [0, 2], corner="step")
+
+
 def test_bench_tables_on_synthetic_results():
     from sanity.results_tables import rl_step_phases_table, rl_step_runs_table
     step = lambda s, t: {"step": s, "time/sample": t, "time/recompute": 1.0, "time/train": 2.0, "time/sync": 0.5,
