@@ -88,7 +88,7 @@ _live_lock = threading.Lock()
 
 
 def _start_worker() -> subprocess.Popen:
-    # -P: common/ is not on the worker's sys.path, where a file named like a stdlib module would shadow it; stderr is
+    # -P: workers/ is not on the worker's sys.path, where a file named like a stdlib module would shadow it; stderr is
     # inherited, so a crash traceback shows up in the run's log
     proc = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), "--worker"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, bufsize=1)
