@@ -1,6 +1,7 @@
 """Rollout corrections for the training-inference mismatch: the weights and rejection masks that grpo.py, ppo.py
-and cispo.py put on their per-token loss. Pure functions, no gradient through any of them; the losses stay in the
-scripts. docs/corrections.md has the table (flag, formula, source, cost).
+and cispo.py put on their per-token loss, and the is/* keys of what they did. Pure functions and the flags' dataclass,
+no gradient through any of them; the losses stay in the scripts. docs/corrections.md has the table (flag, formula,
+source, cost).
 
 Notation (docs/algorithms.md): per response token t of sequence i, rho_t = pi_old(y_t) / mu(y_t), log rho_t = old_logp -
 mu_logp, computed in log space; m_t the response mask, L_i = sum_t m_t. Two kinds of correction:
@@ -27,22 +28,30 @@ from typing import Literal
 
 import numpy as np
 import torch
+import tyro
+
+from common.metrics import mismatch
 
 WEIGHTS = ("none", "token-tis", "seq-tis", "seq-mis", "icepop")
 REJECTS = ("token-mis", "geo-mis", "k3-mis", "opsm")
 # verl clamps log-ratios to +-20 before exp (rollout_corr_helper.SAFETY_BOUND): exp(20) = 4.9e8 is far past every
 # threshold here, so a clamped token is judged the same, and exp never overflows to inf (inf - inf would be nan)
 LOG_RATIO_MAX = 20.0
+RATIO_KEYS = ("is/token_clip_frac", "is/seq_mask_frac", "is/ratio_mean", "is/ratio_max")  # measure's is/ keys
 
 
 @dataclass
 class Corrections:
-    """The rollout-correction flags, one Args field (`corrections`) of grpo.py, ppo.py and cispo.py: flat on the
-    command line (--is-correction) and in config.json. C is the script's --is-threshold."""
+    """The rollout corrections: their flags (one Args field, `corrections`, of grpo.py, ppo.py and cispo.py: flat on the
+    command line, --is-correction, and in config.json), and what the scripts' step asks of them: measure (the
+    mismatch and the ratio's is/ diagnostics), weights (the constant weight of each token's loss) and keep (the
+    rejection rules' mask); each writes its own is/* keys (docs/corrections.md) into the step's StepStats."""
     is_correction: Literal["none", "token-tis", "seq-tis", "seq-mis", "icepop"] = "none"
     """rollout-correction weight on each token's loss, rho_t = pi_old/mu: 'token-tis' min(rho_t, C); 'seq-tis'
     min(rho, C) and 'seq-mis' rho 1{rho <= C}, rho = prod_t rho_t over the sequence; 'icepop' rho_t where it lies in
     --icepop-bounds, else 0 (arXiv 2510.18855)"""
+    is_threshold: float = 3.0
+    """C of the corrections (the study's text: 3; its code used 2 for Token-TIS and 10 for Seq-MIS; verl: 2)"""
     icepop_bounds: tuple[float, float] = (0.5, 5.0)
     """[alpha, beta] of --is-correction icepop (arXiv 2510.18855: 0.5, 5)"""
     is_reject: tuple[Literal["token-mis", "geo-mis", "k3-mis", "opsm"], ...] = ()
@@ -61,10 +70,92 @@ class Corrections:
     opsm_delta: float = 0.5
     """delta of --is-reject opsm (the example of TRL's off_policy_mask_threshold; DeepSeek-V3.2 gives no value)"""
 
+    def check(self, old_logp: str = "recompute") -> None:
+        """Bad input, before a model loads: raises ValueError with a one-line message. old_logp: the script's
+        --old-logp (with mu, pi_old is mu and no weight is left to apply)."""
+        if old_logp == "mu" and self.is_correction != "none":
+            raise ValueError(f"--is-correction {self.is_correction} with --old-logp mu: pi_old is then mu, so the PPO "
+                             "ratio pi_theta/mu is already the importance weight (verl's bypass mode applies no other)")
+        if not (math.isfinite(self.is_threshold) and self.is_threshold > 0):
+            raise ValueError(f"--is-threshold must be finite and > 0, got {self.is_threshold}")
+        for flag, value in {"--icepop-bounds": self.icepop_bounds, "--token-mis-bounds": self.token_mis_bounds,
+                            "--geo-mis-bounds": self.geo_mis_bounds, "--k3-mis-threshold": self.k3_mis_threshold,
+                            "--opsm-delta": self.opsm_delta, "--is-veto": self.is_veto or 1.0}.items():
+            lo, hi = value if isinstance(value, tuple) else (value, value)
+            if not 0 < lo <= hi:
+                raise ValueError(f"{flag} must be positive (and lo <= hi), got {value}")
 
-def _weights_and_clipped(old_logp_BT, mu_logp_BT, mask_BT, is_correction: str, threshold: float,
-                         icepop_bounds: tuple[float, float]):
-    """(w_BT, clipped_BT): the weight, and where it is not the ratio itself (truncated or masked), on the mask."""
+    @property
+    def rules(self) -> dict:
+        """The active rejection rules and their thresholds, {name: threshold or (lo, hi)}."""
+        params = {"token-mis": self.token_mis_bounds, "geo-mis": self.geo_mis_bounds,
+                  "k3-mis": self.k3_mis_threshold, "opsm": self.opsm_delta}
+        rules = {r: params[r] for r in dict.fromkeys(self.is_reject)}
+        if self.is_veto > 0:
+            rules["veto"] = self.is_veto
+        return rules
+
+    def measure(self, stats, old_logp_BT, mu_logp_BT, mask_BT) -> None:
+        """measure() with this correction's C, is/ratio_* over sequences for a sequence-level weight."""
+        measure(stats, old_logp_BT, mu_logp_BT, mask_BT, self.is_threshold,
+                seq_ratio=self.is_correction in ("seq-tis", "seq-mis"))
+
+    def weights(self, stats, old_logp_BT, mu_logp_BT, mask_BT) -> torch.Tensor:
+        """w_BT, the constant weight of each token's loss (--is-correction; importance_weights), and its is/weight_*
+        keys into stats: its mean and max over the response tokens, the tokens and sequences where it is not the
+        ratio itself (truncated by tis, zeroed by seq-mis or icepop)."""
+        w_BT, clipped_BT = importance_weights(old_logp_BT, mu_logp_BT, mask_BT, self.is_correction, self.is_threshold,
+                                              self.icepop_bounds)
+        m = mask_BT.bool()
+        n_tok, n_seq = m.sum(), len(m)
+        stats.add("is/weight_mean", (w_BT * m).sum(), n_tok)
+        stats.max("is/weight_max", w_BT.masked_fill(~m, 0).max() if m.any() else 0.0)
+        stats.add("is/weight_clip_token_frac", clipped_BT.sum(), n_tok)
+        stats.add("is/weight_clip_seq_frac", clipped_BT.any(-1).sum(), n_seq)
+        return w_BT
+
+    def keep(self, stats, ref_logp_BT, logp_BT, mu_logp_BT, adv_B, mask_BT) -> torch.Tensor:
+        """keep_BT (rejection_mask of the --is-reject rules and --is-veto), and the fractions of the micro-batch's
+        response tokens and sequences each rule and all of them rejected into stats (is/reject_*, is/<rule>_*): every
+        token is seen once a step, so the sums over micro-batches are fractions of the rollout batch."""
+        keep_BT, counts = rejection_mask(ref_logp_BT, logp_BT, mu_logp_BT, adv_B, mask_BT, self.rules)
+        n_tok, n_seq = mask_BT.sum(), len(mask_BT)
+        for name in ["reject", *(r.replace("-", "_") for r in self.rules)]:
+            stats.add(f"is/{name}_token_frac", counts[f"{name}_tokens"], n_tok)
+            stats.add(f"is/{name}_seq_frac", counts[f"{name}_seqs"], n_seq)
+        return keep_BT
+
+
+# an Args field's type: the flags are --is-correction, not --corrections.is-correction
+CorrectionsField = tyro.conf.OmitArgPrefixes[Corrections]
+
+
+def measure(stats, old_logp_BT, mu_logp_BT, mask_BT, threshold: float, seq_ratio: bool,
+            keys: tuple[str, ...] = RATIO_KEYS) -> None:
+    """The mismatch of pi_old against mu (common.metrics.mismatch: mismatch/*) and what the ratio rho_t = pi_old/mu
+    would make a correction do, whether or not one is applied (`keys`, of RATIO_KEYS): is/token_clip_frac (rho_t > C),
+    is/seq_mask_frac (rho > C, rho = prod_t rho_t), is/ratio_mean and is/ratio_max over the token ratios, or over
+    the sequence ratios when seq_ratio. Any set of whole sequences, as mismatch."""
+    mismatch(stats, old_logp_BT, mu_logp_BT, mask_BT)
+    m = mask_BT.float()
+    n_tok, n_seq = m.sum(), len(m)
+    d_BT = (old_logp_BT - mu_logp_BT) * m  # log rho_t, 0 off the mask
+    log_rho_B, rho_BT = d_BT.sum(-1), torch.exp(d_BT)
+    rho_B = torch.exp(log_rho_B)
+    values = {"is/token_clip_frac": (((rho_BT > threshold) & mask_BT).sum(), n_tok),
+              "is/seq_mask_frac": ((log_rho_B > math.log(threshold)).sum(), n_seq),
+              "is/ratio_mean": (rho_B.sum(), n_seq) if seq_ratio else ((rho_BT * m).sum(), n_tok)}
+    stats.update({k: v for k, v in values.items() if k in keys})
+    if "is/ratio_max" in keys:
+        stats.max("is/ratio_max", rho_B.max() if seq_ratio else rho_BT.masked_fill(~mask_BT, 0).max())
+
+
+def importance_weights(old_logp_BT, mu_logp_BT, mask_BT, is_correction: str, threshold: float,
+                       icepop_bounds: tuple[float, float] = (0.5, 5.0)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_BT, clipped_BT): the constant per-token weights of the rollout correction, rho_t = exp(old_logp - mu_logp),
+    and where the weight is not the ratio itself (truncated or masked), on the mask:
+    none: 1.  token-tis: w_t = min(rho_t, C).  seq-tis: w_t = min(rho_i, C) and seq-mis: w_t = rho_i 1{rho_i <= C},
+    rho_i = prod_t rho_t over the sequence's response tokens.  icepop: w_t = rho_t if alpha <= rho_t <= beta else 0."""
     m = mask_BT.bool()
     d_BT = (old_logp_BT - mu_logp_BT) * mask_BT  # log rho_t, 0 off the mask
     if is_correction == "none":
@@ -87,49 +178,6 @@ def _weights_and_clipped(old_logp_BT, mu_logp_BT, mask_BT, is_correction: str, t
     return w_B1.expand_as(old_logp_BT), over_B1 & m
 
 
-def importance_weights(old_logp_BT, mu_logp_BT, mask_BT, is_correction: str, threshold: float,
-                       icepop_bounds: tuple[float, float] = (0.5, 5.0)) -> torch.Tensor:
-    """Constant per-token weights of the rollout correction (--is-correction), rho_t = exp(old_logp - mu_logp):
-    none: 1.  token-tis: w_t = min(rho_t, C).  seq-tis: w_t = min(rho_i, C) and seq-mis: w_t = rho_i 1{rho_i <= C},
-    rho_i = prod_t rho_t over the sequence's response tokens.  icepop: w_t = rho_t if alpha <= rho_t <= beta else 0."""
-    return _weights_and_clipped(old_logp_BT, mu_logp_BT, mask_BT, is_correction, threshold, icepop_bounds)[0]
-
-
-def weight_stats(old_logp_BT, mu_logp_BT, mask_BT, is_correction: str, threshold: float,
-                 icepop_bounds: tuple[float, float]) -> tuple[dict, dict]:
-    """Local (sums, maxes) of the weight over the response tokens: its sum and max, and the tokens and sequences
-    where it is not the ratio (truncated by tis, zeroed by seq-mis / icepop). Floats, for common.dist.reduce_stats."""
-    c = Corrections(is_correction=is_correction, icepop_bounds=icepop_bounds)
-    return correction_weights(old_logp_BT, mu_logp_BT, mask_BT, c, threshold)[1:]
-
-
-def correction_weights(old_logp_BT, mu_logp_BT, mask_BT, c: Corrections, threshold: float):
-    """(w_BT, sums, maxes): the weights of importance_weights and the statistics of weight_stats, in one pass."""
-    w_BT, clipped_BT = _weights_and_clipped(old_logp_BT, mu_logp_BT, mask_BT, c.is_correction, threshold,
-                                            c.icepop_bounds)
-    m = mask_BT.bool()
-    sums = {"is_weight": float((w_BT * m).sum()), "is_clip_tokens": float(clipped_BT.sum()),
-            "is_clip_seqs": float(clipped_BT.any(-1).sum())}
-    return w_BT, sums, {"is_weight": float(w_BT.masked_fill(~m, 0).max()) if m.any() else 0.0}
-
-
-def correction_rules(c: Corrections) -> dict:
-    """reject_rules of the flags."""
-    return reject_rules(c.is_reject, c.is_veto, c.token_mis_bounds, c.geo_mis_bounds, c.k3_mis_threshold,
-                        c.opsm_delta)
-
-
-def reject_rules(is_reject: tuple[str, ...], veto: float, token_mis_bounds: tuple[float, float],
-                 geo_mis_bounds: tuple[float, float], k3_mis_threshold: float, opsm_delta: float) -> dict:
-    """The active rejection rules and their thresholds, {name: threshold or (lo, hi)}, from the scripts' flags."""
-    params = {"token-mis": token_mis_bounds, "geo-mis": geo_mis_bounds, "k3-mis": k3_mis_threshold,
-              "opsm": opsm_delta}
-    rules = {r: params[r] for r in dict.fromkeys(is_reject)}
-    if veto > 0:
-        rules["veto"] = veto
-    return rules
-
-
 @torch.no_grad()
 def rejection_mask(ref_logp_BT, logp_BT, mu_logp_BT, adv_B, mask_BT, rules: dict) -> tuple[torch.Tensor, dict]:
     """keep_BT (bool): False where any rule rejects the token; with log rho_t = ref_logp - mu_logp on the mask:
@@ -140,11 +188,12 @@ def rejection_mask(ref_logp_BT, logp_BT, mu_logp_BT, adv_B, mask_BT, rules: dict
     opsm (DeepSeek-V3.2 eq. 9, TRL get_off_policy_mask): reject the sequence when A_i < 0 and
         mean_t (mu_logp - logp) > delta, logp = pi_theta's (this micro-batch's forward, detached).
     Bounds are inclusive (a ratio equal to a bound is kept), as in verl and the papers. Also returns local sums,
-    0-d tensors (no host sync): rejected tokens and sequences (any token rejected) per rule and overall."""
+    0-d tensors (no host sync): rejected tokens and sequences (any token rejected), per rule ({rule}_tokens,
+    {rule}_seqs, the rule's name with _ for -) and overall (reject_tokens, reject_seqs)."""
     keep_BT = mask_BT.bool().clone()
     if not rules:
-        return keep_BT, {"rej_tokens": torch.zeros((), device=mask_BT.device),
-                         "rej_seqs": torch.zeros((), device=mask_BT.device)}
+        return keep_BT, {"reject_tokens": torch.zeros((), device=mask_BT.device),
+                         "reject_seqs": torch.zeros((), device=mask_BT.device)}
     m = mask_BT.bool()
     n_B = m.sum(-1).clamp(min=1)
     d_BT = ((ref_logp_BT - mu_logp_BT) * m).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)  # log rho_t, 0 off the mask
@@ -166,44 +215,8 @@ def rejection_mask(ref_logp_BT, logp_BT, mu_logp_BT, adv_B, mask_BT, rules: dict
         else:
             raise ValueError(f"unknown rejection rule {name!r}")
         key = name.replace("-", "_")
-        stats[f"rej_{key}_tokens"], stats[f"rej_{key}_seqs"] = bad_BT.sum(), bad_BT.any(-1).sum()
+        stats[f"{key}_tokens"], stats[f"{key}_seqs"] = bad_BT.sum(), bad_BT.any(-1).sum()
         keep_BT &= ~bad_BT
     rejected_BT = m & ~keep_BT
-    stats["rej_tokens"], stats["rej_seqs"] = rejected_BT.sum(), rejected_BT.any(-1).sum()
+    stats["reject_tokens"], stats["reject_seqs"] = rejected_BT.sum(), rejected_BT.any(-1).sum()
     return keep_BT, stats
-
-
-def correction_metrics(sums: dict, maxes: dict, rules: dict) -> dict:
-    """The is/ keys of the corrections (docs/corrections.md) from statistics reduced over all ranks, as fractions of
-    the rollout batch's response tokens (n_tokens) and sequences (n_seqs): the loss sees each of them once a step."""
-    n_tok, n_seq = max(sums["n_tokens"], 1.0), max(sums["n_seqs"], 1.0)
-    metrics = {"is/weight_mean": sums["is_weight"] / n_tok, "is/weight_max": maxes["is_weight"],
-               "is/weight_clip_token_frac": sums["is_clip_tokens"] / n_tok,
-               "is/weight_clip_seq_frac": sums["is_clip_seqs"] / n_seq,
-               "is/reject_token_frac": sums["rej_tokens"] / n_tok, "is/reject_seq_frac": sums["rej_seqs"] / n_seq}
-    for name in rules:
-        key = name.replace("-", "_")
-        metrics[f"is/{key}_token_frac"] = sums[f"rej_{key}_tokens"] / n_tok
-        metrics[f"is/{key}_seq_frac"] = sums[f"rej_{key}_seqs"] / n_seq
-    return metrics
-
-
-def check_corrections(c: Corrections, threshold: float, old_logp: str) -> None:
-    """check_correction_flags of the flags."""
-    check_correction_flags(c.is_correction, threshold, old_logp,
-                           {"--icepop-bounds": c.icepop_bounds, "--token-mis-bounds": c.token_mis_bounds,
-                            "--geo-mis-bounds": c.geo_mis_bounds, "--k3-mis-threshold": c.k3_mis_threshold,
-                            "--opsm-delta": c.opsm_delta, "--is-veto": c.is_veto or 1.0})
-
-
-def check_correction_flags(is_correction: str, threshold: float, old_logp: str, bounds: dict) -> None:
-    """Bad input, before a model loads: raises ValueError with a one-line message."""
-    if old_logp == "mu" and is_correction != "none":
-        raise ValueError(f"--is-correction {is_correction} with --old-logp mu: pi_old is then mu, so the PPO ratio "
-                         "pi_theta/mu is already the importance weight (verl's bypass mode applies no other)")
-    if threshold <= 0:
-        raise ValueError(f"--is-threshold must be > 0, got {threshold}")
-    for flag, value in bounds.items():
-        lo, hi = value if isinstance(value, tuple) else (value, value)
-        if not 0 < lo <= hi:
-            raise ValueError(f"{flag} must be positive (and lo <= hi), got {value}")

@@ -48,12 +48,12 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import grpo  # noqa: E402  (its step 5's functions, timed as grpo.py runs them; importing it has no side effects)
-from common.batches import micro_batches  # noqa: E402
+from common.batches import Rollout, micro_batches, minibatches, on_device  # noqa: E402
 from common.dist import print0, setup_distributed  # noqa: E402
 from common.fsdp import iter_full_state, load_policy  # noqa: E402
 from common.hf_sampler import HFSampler  # noqa: E402
-from common.logprobs import chunked_logprobs, collate, pad_float, recompute_logprobs, to_device  # noqa: E402
-from common.metrics import add_sums, mismatch_stats  # noqa: E402
+from common.logprobs import chunked_logprobs, collate, pad_float, recompute_logprobs  # noqa: E402
+from common.metrics import StepStats, mismatch  # noqa: E402
 from common.precision import DTYPES, LossScaler  # noqa: E402
 
 # Qwen2.5 layer shapes (random weights, std 0.02), and SmolLM2-135M's (the real model's) in the same layout; "tiny"
@@ -383,36 +383,32 @@ def trainer_step(model, params, optimizer, scaler, prompts, responses, args, pad
     loss is timed as it runs (step 5's loop is grpo.py's own, written inline there). Rewards alternate 1, 0 (groups
     of 2); the weights are those of --is-correction none (1): the arithmetic does not depend on the values. Returns
     (seconds recompute, seconds train, peak GiB recompute, peak GiB train)."""
-    seq_lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    rollout = Rollout(prompts, responses, [None] * len(prompts), [True] * len(prompts))
+    stats = StepStats(device)
     reset_peak()
-    (old_logp, _), t_recompute = timed(recompute_logprobs, model, prompts, responses,
-                                       micro_batches(seq_lens, args.micro_batch_tokens, device), pad_id, 1.0,
-                                       args.logprob_chunk, device)
+    old_logp, t_recompute = timed(recompute_logprobs, model, rollout,
+                                  micro_batches(rollout.seq_lens(), args.micro_batch_tokens, device), pad_id, 1.0,
+                                  args.logprob_chunk, device, stats)
     mem_recompute = peak_gib()
 
     def train():
         model.train()
-        T = max(map(len, responses))
-        old_all = pad_float(old_logp, T, "cpu")
-        adv_B = grpo.drgrpo_advantages((torch.arange(len(seq_lens)) % 2 == 0).float(), 2)
-        weight_all = torch.ones_like(old_all)
-        seqs_per_mb = len(seq_lens) // args.num_minibatches
-        loss_sum, pol = 0.0, {}
-        for k in range(args.num_minibatches):
-            mb_idx = list(range(k * seqs_per_mb, (k + 1) * seqs_per_mb))
-            for micro in micro_batches([seq_lens[i] for i in mb_idx], args.micro_batch_tokens, device):
-                idx = [mb_idx[j] for j in micro]
-                ids, attn, rmask = collate([prompts[i] for i in idx], [responses[i] for i in idx], pad_id, device)
-                Tm = rmask.shape[1]
+        old_BT = rollout.padded(old_logp)
+        adv_B = grpo.drgrpo_advantages((torch.arange(len(prompts)) % 2 == 0).float(), 2)
+        w_BT = torch.ones_like(old_BT)
+        num_seqs = len(prompts) // args.num_minibatches * world_size
+        for minibatch in minibatches(rollout.seq_lens(), args.num_minibatches, args.micro_batch_tokens, device):
+            for idx in minibatch:
+                ids, attn, rmask = rollout.rows(idx, pad_id, device)
                 logp_BT, _ = model(ids, attn, rmask, 1.0, args.logprob_chunk)
-                loss, stats = grpo.policy_loss(logp_BT, to_device(old_all[idx, :Tm], device),
-                                               to_device(adv_B[idx], device), to_device(weight_all[idx, :Tm], device),
-                                               rmask, 0.2, 0.28, T, seqs_per_mb * world_size)
+                old_mb, adv_mb, w_mb = on_device(device, idx, rmask.shape[1], old_BT, adv_B, w_BT)
+                loss, loss_stats = grpo.policy_loss(logp_BT, old_mb, adv_mb, w_mb, rmask, 0.2, 0.28,
+                                                    old_BT.shape[1], num_seqs)
                 scaler.scale_loss(loss * world_size).backward()
-                loss_sum += loss.detach()
-                add_sums(pol, stats)
+                stats.add("train/loss", loss.detach() / args.num_minibatches)
+                stats.update(loss_stats)
             scaler.step(params, optimizer, 1.0)
-        return float(loss_sum), {key: float(v) for key, v in pol.items()}  # read once per step, as grpo.py does
+        return stats.reduce()  # read once per step, as grpo.py does
     # (no model.eval(): grpo.py's model stays in train mode, and a compiled layer would recompile for the other mode)
     reset_peak()
     _, t_train = timed(train)
@@ -693,7 +689,7 @@ def vllm_sampler_child(spec: dict) -> None:
     from common.vllm_sampler import VLLMSampler
     _, _, device = setup_distributed()
     prompts = random_prompts(max(spec["batch_sizes"]), spec["prompt_len"], spec["vocab"], spec["seed"] + 7)
-    sampler, t = timed(VLLMSampler, spec["model_dir"], spec["sampler_precision"], seed=spec["seed"],
+    sampler, t = timed(VLLMSampler, spec["model_dir"], DTYPES[spec["sampler_precision"]], seed=spec["seed"],
                        max_model_len=spec["prompt_len"] + spec["new_tokens"], tp=1,
                        gpu_memory_utilization=spec["vllm_gpu_memory_utilization"], sleep_level=0)
     print(f"[vllm-child] engine started in {t:.0f}s", flush=True)
@@ -742,10 +738,12 @@ def bench_sync(res: Results, args, model_dir, device):
         with torch.no_grad():
             logp, _ = trainer(ids, attn, rmask, 1.0, args.logprob_chunk)
         mu = pad_float(out.logprobs, rmask.shape[1], device)
-        sums, _, _ = mismatch_stats(logp, mu, rmask, 3.0, seq_ratio=False)  # the scripts' mismatch/kl_k3
+        stats = StepStats(device)
+        mismatch(stats, logp, mu, rmask)  # the scripts' mismatch/kl_k3
         row = {"when": f"{when} a sync of changed weights", "path": decode_path(sampler),
-               "precision": args.sampler_precision, "tokens": int(sums["n_tokens"]),
-               "kl_k3": sums["kl_k3"] / sums["n_tokens"], "max_abs_logprob_diff": float((logp - mu)[rmask].abs().max())}
+               "precision": args.sampler_precision, "tokens": int(rmask.sum()),
+               "kl_k3": stats.reduce(all_ranks=False)["mismatch/kl_k3"],
+               "max_abs_logprob_diff": float((logp - mu)[rmask].abs().max())}
         res.add("sync_check", row)
         print0(f"[{now()}] sampler vs trainer {when} sync: kl_k3 {row['kl_k3']:.2e}, max |dlogp| "
                f"{row['max_abs_logprob_diff']:.2e} ({row['path']})")
@@ -869,6 +867,7 @@ def vllm_generate_child(spec: dict) -> None:
     from vllm.inputs import TokensPrompt
 
     from common.data import encode_problems, load_problems
+    from common.cli import Infra
     from common.sampler import make_sampler
     _, _, device = setup_distributed()
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
@@ -876,8 +875,9 @@ def vllm_generate_child(spec: dict) -> None:
                                spec["data"])
     order = np.random.default_rng([spec["seed"], 0]).permutation(len(problems))  # grpo.py's first epoch
     # rank 0 of grpo.py's engine: the same seed (stream_seed), length limit and memory share, sleep level 1
-    sampler = make_sampler("vllm", spec["model"], spec["precision"], device, spec["seed"], 0,
-                           spec["max_prompt_len"] + spec["max_response_len"], 0, 1, spec["gpu_memory_utilization"], 1)
+    flags = Infra(sampler="vllm", vllm_gpu_memory_utilization=spec["gpu_memory_utilization"], vllm_sleep_level=1)
+    sampler = make_sampler(flags, spec["model"], DTYPES[spec["precision"]], device, spec["seed"], 0,
+                           spec["max_prompt_len"] + spec["max_response_len"])
     P, G = spec["num_prompts"], spec["group_size"]
     params = sampler.sampling_params(G, spec["max_response_len"], 1.0)  # what VLLMSampler.generate asks of it
     for step in range(spec["steps"]):

@@ -7,7 +7,6 @@ import math
 import os
 import random
 import re
-import secrets
 import shutil
 import time
 
@@ -19,7 +18,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from tqdm import tqdm
 
-from common.dist import reduce_stats
 from common.fsdp import full_state_names, iter_full_state
 from common.precision import TrainingFault
 
@@ -73,12 +71,12 @@ class CheckpointError(TrainingFault):
     same line, and the previous checkpoint stays the newest complete one."""
 
 
-def save_checkpoint(ckpt_root: str, step: int, model: torch.nn.Module, lm: torch.nn.Module, tokenizer,
-                    optimizer: torch.optim.Optimizer | None, trainer_state: dict, rank_state: dict,
-                    keep_last: int = 0) -> str:
-    """Collective: every rank calls it. `model` is the FSDP root, `lm` the Hugging Face model inside it. After each
-    phase all ranks agree on success (agree_on_failure); keep_last: prune to the newest keep_last, counting this one,
-    after the durable rename. The phases and what a failure leaves: docs/checkpoints.md."""
+def save_checkpoint(ckpt_root: str, step: int, tokenizer, parts: dict, rank_state: dict, keep_last: int = 0) -> str:
+    """Collective: every rank calls it. parts: {folder in the checkpoint ("" for its root): (model, optimizer or None,
+    trainer_state dict)}, `model` an FSDP root whose `lm` is the Hugging Face model (the policy at the root, ppo.py's
+    critic in critic/). After each phase all ranks agree on success (agree_on_failure); keep_last: prune to the newest
+    keep_last, counting this one, after the durable rename. The phases and what a failure leaves:
+    docs/checkpoints.md."""
     rank = dist.get_rank()
     final = os.path.join(ckpt_root, f"step_{step:06d}")
     tmp = final + ".tmp"
@@ -86,45 +84,48 @@ def save_checkpoint(ckpt_root: str, step: int, model: torch.nn.Module, lm: torch
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     what = f"step {step}: checkpoint {final} not saved"
-    try:  # 1. every rank: the directory (none writes into a directory it has not seen made) and its RNG streams
-        os.makedirs(tmp, exist_ok=True)
+    try:  # 1. every rank: the directories (none writes into one it has not seen made) and its RNG streams
+        for folder in parts:
+            os.makedirs(os.path.join(tmp, folder), exist_ok=True)
         write_json(os.path.join(tmp, f"rng_rank{rank}.json"), rng_to_json(rank_state))
         error = None
     except Exception as e:
         error = error_line(e)
     agree_on_failure(error, what)
-    if optimizer is not None:  # 2. each rank writes its shard of the AdamW state (DCP fsyncs its files)
+    for folder, (model, optimizer, trainer_state) in parts.items():
+        if optimizer is not None:  # 2. each rank writes its shard of the AdamW state (DCP fsyncs its files)
+            error = None
+            try:
+                dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)},
+                         checkpoint_id=os.path.join(tmp, folder, "optimizer"))
+            except CheckpointException as e:  # DCP gathers every rank's failure and raises it on every rank
+                error = first_failure(e)
+            except Exception as e:
+                error = error_line(e)
+            agree_on_failure(error, what)
+        # 3. the weights, fp32, gathered one tensor at a time and written by rank 0 as they come (a tied lm_head is
+        # stored once, as the embedding: what from_pretrained and vLLM expect)
+        lm, out = model.lm, os.path.join(tmp, folder)
+        entries = full_state_names(lm)
+        tensors = iter_full_state(lm, torch.float32, torch.device("cpu"), aliases=False)
         error = None
-        try:
-            dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)},
-                     checkpoint_id=os.path.join(tmp, "optimizer"))
-        except CheckpointException as e:  # DCP gathers every rank's failure and raises it on every rank
-            error = first_failure(e)
-        except Exception as e:
-            error = error_line(e)
+        if rank == 0:
+            try:
+                write_safetensors(os.path.join(out, "model.safetensors"), entries, tensors)
+                lm.config.save_pretrained(out)
+                if lm.generation_config is not None:
+                    lm.generation_config.save_pretrained(out)
+                tokenizer.save_pretrained(out)
+                write_json(os.path.join(out, "trainer_state.json"), {"step": step, **trainer_state}, indent=2)
+            except Exception as e:
+                error = error_line(e)
+        for _ in tensors:  # the gathers are collectives: every rank takes part in all of them, rank 0 after a failure
+            pass
         agree_on_failure(error, what)
-    # 3. the weights, fp32, gathered one tensor at a time and written by rank 0 as they come (a tied lm_head is stored
-    # once, as the embedding: what from_pretrained and vLLM expect)
-    entries = full_state_names(lm)
-    tensors = iter_full_state(lm, torch.float32, torch.device("cpu"), aliases=False)
-    error = None
-    if rank == 0:
-        try:
-            write_safetensors(os.path.join(tmp, "model.safetensors"), entries, tensors)
-            lm.config.save_pretrained(tmp)
-            if lm.generation_config is not None:
-                lm.generation_config.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            write_json(os.path.join(tmp, "trainer_state.json"), {"step": step, **trainer_state}, indent=2)
-            fsync_tree(tmp)  # every rank's files and the directories, before the rename makes them a checkpoint
-        except Exception as e:
-            error = error_line(e)
-    for _ in tensors:  # the gathers are collectives: every rank takes part in all of them, rank 0 after a failure too
-        pass
-    agree_on_failure(error, what)
     error = None
     if rank == 0:  # 4. into place, durably, then prune
         try:
+            fsync_tree(tmp)  # every rank's files and the directories, before the rename makes them a checkpoint
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             fsync_dir(ckpt_root)  # the rename itself survives a crash
@@ -213,34 +214,6 @@ def write_safetensors(path: str, entries: list[tuple[str, tuple, torch.dtype]], 
             if progress is not None:
                 progress(written, offset)
             bar.update(t.numel() * t.element_size())
-
-
-def check_shared_dir(path: str, device) -> None:
-    """Collective. Raises ValueError, on every rank, when one does not see a file rank 0 has just written into `path`:
-    checkpoints need a filesystem every rank sees (docs/scale.md, Shared filesystem)."""
-    if dist.get_world_size() == 1:
-        return
-    token = [secrets.token_hex(8) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    probe = os.path.join(path, f".shared_check_{token[0]}")
-    if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write(token[0])
-    dist.barrier()
-    try:
-        with open(probe) as f:
-            seen = f.read() == token[0]
-    except OSError:
-        seen = False
-    blind = reduce_stats({"blind": float(not seen)}, "sum", device)["blind"]
-    dist.barrier()
-    if dist.get_rank() == 0:
-        os.remove(probe)
-    if blind:
-        raise ValueError(f"the run directory {path!r} is not on a filesystem every rank sees ({int(blind)} of "
-                         f"{dist.get_world_size()} ranks do not see rank 0's files): checkpoints are written by "
-                         "every rank into one directory, so give --run-dir on a shared filesystem")
 
 
 def list_checkpoints(ckpt_root: str) -> list[str]:

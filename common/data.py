@@ -5,6 +5,11 @@ import os
 import string
 from functools import lru_cache
 
+from transformers import AutoTokenizer
+
+from common.dist import print0
+from tasks.builtin import with_builtin_task
+
 # the instruction the DeepSeek-R1 distilled models were trained with
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -158,3 +163,26 @@ def encode_problems(tokenizer, problems: list[dict], template: str, max_prompt_l
         print(f"[data] {name}: skipped {n_skipped} of {len(problems)} prompts longer than {max_prompt_len} tokens "
               f"(longest {longest})")
     return encoded
+
+
+def load_task(model: str | None, dataset: str | None, eval_paths, template: str, max_prompt_len: int,
+              eval_max_problems: int):
+    """(model directory, its tokenizer, the training problems, {evaluation set's name: its problems, at most
+    eval_max_problems of each (0: all)}), the problems encoded (encode_problems), and a line saying how many. Without
+    a model or a dataset, the built-in task's (tasks/builtin.py: built on first use; a file lock keeps ranks from
+    building it twice): its model, its training file, and then its evaluation file unless evaluation files are given."""
+    model, dataset, eval_paths = with_builtin_task(model, dataset, list(eval_paths))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    problems = encode_problems(tokenizer, load_problems(dataset), template, max_prompt_len, dataset)
+    eval_sets = {}
+    for path in eval_paths:
+        ps = encode_problems(tokenizer, load_problems(path), template, max_prompt_len, path)
+        eval_sets[eval_name(path)] = ps[:eval_max_problems] if eval_max_problems else ps
+    print0(f"[data] {len(problems)} training problems; eval: "
+           f"{', '.join(f'{k} ({len(v)})' for k, v in eval_sets.items()) or 'none'}")
+    return model, tokenizer, problems, eval_sets
+
+
+def eval_name(path: str) -> str:
+    """eval/<name>/accuracy uses the file name without its extension."""
+    return os.path.splitext(os.path.basename(path))[0]

@@ -18,59 +18,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from common.logprobs import PolicyModel
 
 
-def check_model_dir(path: str) -> None:
-    """Fail fast, before anything is loaded, on a model path that cannot be a Hugging Face model directory."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"--model {path!r}: no such directory (give a local Hugging Face model directory)")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"--model {path!r}: no config.json there, not a Hugging Face model directory")
-    if not os.access(os.path.join(path, "config.json"), os.R_OK):
-        raise PermissionError(f"--model {path!r}: config.json is not readable")
-    # without them AutoTokenizer builds an empty tokenizer, silently, and the run crashes later inside the model
-    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        raise FileNotFoundError(f"--model {path!r}: no tokenizer files there ({', '.join(TOKENIZER_FILES)}); save "
-                                "the tokenizer into the model directory (tokenizer.save_pretrained)")
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise ValueError(f"--model {path!r}: model.safetensors.index.json has no readable weight_map") from None
-        for name in files:
-            if not os.path.isfile(os.path.join(path, name)):
-                raise FileNotFoundError(f"--model {path!r}: {name}, listed in model.safetensors.index.json, is missing")
-    else:
-        files = [name for name in ("model.safetensors",) if os.path.isfile(os.path.join(path, name))]
-    for name in files:
-        problem = safetensors_problem(os.path.join(path, name))
-        if problem:
-            raise ValueError(f"--model {path!r}: {name} is {problem} (an interrupted copy or download?)")
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # any one: fast, sentencepiece, BPE
-
-
-def safetensors_problem(path: str) -> str | None:
-    """Why the file at `path` is not a complete safetensors file, or None. The format: 8 bytes (little-endian) giving
-    the header's length, the JSON header (each tensor's data_offsets [begin, end] in the data that follows), the
-    data; a file shorter than the header's last end offset was cut. Reads only the header."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else None
-        if n is None or 8 + n > size:
-            return f"not a complete safetensors file ({size} bytes: less than its header)"
-        try:
-            header = json.loads(f.read(n))
-            end = max([int(t["data_offsets"][1]) for name, t in header.items() if name != "__metadata__"], default=0)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            return "not a safetensors file (its header is not one)"
-    if 8 + n + end > size:
-        return f"truncated: {size} bytes, its header describes {8 + n + end}"
-    return None
-
-
 def decoder_layers(lm: nn.Module) -> nn.ModuleList:
     base = getattr(lm, lm.base_model_prefix)
     if not hasattr(base, "layers") or not hasattr(lm, "lm_head"):

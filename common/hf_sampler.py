@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
-from common.sampler import Rollout
+from common.batches import Rollout
 
 DECODE_ATTENTION = "rl_grouped_sdpa"  # the attention implementation the static path registers with transformers
 CACHE_LEN_MULTIPLE = 256  # static cache lengths are rounded up to this: prompts of similar length share a graph

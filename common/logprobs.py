@@ -58,23 +58,22 @@ class PolicyModel(nn.Module):
         return logp_BT, ent_BT
 
 
-def recompute_logprobs(model: PolicyModel, prompt_ids: list[list[int]], response_ids: list[list[int]],
-                       groups: list[list[int]], pad_id: int, temperature: float, chunk_size: int, device):
-    """Step 3 of every script: the trainer's log-probs of each response without gradients, micro-batch by micro-batch
-    (`groups`: lists of sequence indices, from common.batches.micro_batches). Returns (logp: one fp32 CPU tensor per
-    sequence, of its response's length, None for a sequence in no group; the entropy summed over every response
-    token, read once per micro-batch)."""
-    logp = [None] * len(response_ids)
-    entropy_sum = 0.0
+def recompute_logprobs(model: PolicyModel, rollout, groups: list[list[int]], pad_id: int, temperature: float,
+                       chunk_size: int, device, stats) -> list[torch.Tensor]:
+    """Step 3 of every script: the trainer's log-probs of each response of the rollout (common.batches.Rollout)
+    without gradients, micro-batch by micro-batch (`groups`: lists of sequence indices, common.batches.micro_batches),
+    and train/entropy, the mean entropy over the response tokens, into stats. Returns one fp32 CPU tensor per
+    sequence, of its response's length."""
+    logp = [None] * len(rollout.response_ids)
     with torch.no_grad():
         for mb in groups:
-            ids, attn, rmask = collate([prompt_ids[i] for i in mb], [response_ids[i] for i in mb], pad_id, device)
+            ids, attn, rmask = rollout.rows(mb, pad_id, device)
             logp_BT, ent_BT = model(ids, attn, rmask, temperature, chunk_size, with_entropy=True)
-            entropy_sum += ent_BT[rmask].sum().item()
+            stats.add("train/entropy", ent_BT[rmask].sum(), rmask.sum())
             logp_BT = logp_BT.cpu()  # one device-to-host copy per micro-batch, not one per row
             for row, i in enumerate(mb):
-                logp[i] = logp_BT[row, :len(response_ids[i])]
-    return logp, entropy_sum
+                logp[i] = logp_BT[row, :len(rollout.response_ids[i])]
+    return logp
 
 
 def response_hidden(lm: nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,

@@ -1,64 +1,118 @@
-"""The training-inference mismatch metrics of every step (docs/algorithms.md), over all response tokens of the rollout
-batch on every rank: local sums / maxes / mins here, reduced across ranks by common.dist.reduce_stats."""
+"""A step's metrics (StepStats: added where they are computed, reduced over all ranks once), the training-inference
+mismatch of every step (mismatch: the mismatch/* keys of docs/algorithms.md) and the early warning of collapse
+(MismatchMonitor)."""
+import time
+from contextlib import contextmanager
+
 import numpy as np
 import torch
+import torch.distributed as dist
 
 
-def mismatch_stats(old_logp_BT: torch.Tensor, mu_logp_BT: torch.Tensor, mask_BT: torch.Tensor, threshold: float,
-                   seq_ratio: bool) -> tuple[dict, dict, dict]:
-    """old_logp: the trainer's recompute (pi_old), mu_logp: the sampler's own log-probs, both fp32.
-    Returns (sums, maxes, mins); means are sums divided by the counts `n_tokens` / `n_seqs` after reduction.
-    is/ratio_* are over the token ratios exp(old - mu), or over the sequence ratios rho when `seq_ratio`."""
+class StepStats:
+    """One step's metrics on this rank: means (a total and a count), sums, maxima and minima, each added by its key
+    where it is computed (0-d tensors may stay on their device: nothing waits for the GPU before reduce), the
+    phases' seconds and GPU memory (phase), and values already global (set). reduce() gives the metrics of every
+    rank with two collectives (a sum, and a max that also takes the negated minima)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.totals, self.counts, self.maxes, self.mins, self.values = {}, {}, {}, {}, {}
+        self.rates = {}  # key: (amount key, phase): amount summed over the ranks per second of this rank's phase
+        self.t0 = time.perf_counter()
+        self._peak_reset()
+
+    def add(self, key: str, total, count=None) -> None:
+        """A mean, total / count over all ranks (count None: the total itself, a sum)."""
+        self.totals[key] = self.totals.get(key, 0.0) + total
+        if count is not None:
+            self.counts[key] = self.counts.get(key, 0.0) + count
+
+    def update(self, means: dict) -> None:
+        """add() of each {key: (total, count)}: the statistics a loss returns."""
+        for key, (total, count) in means.items():
+            self.add(key, total, count)
+
+    def max(self, key: str, value) -> None:
+        self.maxes.setdefault(key, []).append(value)
+
+    def min(self, key: str, value) -> None:
+        self.mins.setdefault(key, []).append(value)
+
+    def set(self, key: str, value) -> None:
+        """A value that needs no reduction (the same on every rank, or rank 0's own)."""
+        self.values[key] = value
+
+    def rate(self, key: str, amount, phase: str) -> None:
+        """key = the amount, summed over the ranks, per second of this rank's `phase` (perf/ keys)."""
+        self.add(f"_{key}", amount)
+        self.rates[key] = (f"_{key}", phase)
+
+    @contextmanager
+    def phase(self, name: str):
+        """time/<name>, and on a GPU mem/<name>_peak_gib (PyTorch's peak allocation during it) and mem/<name>_used_gib
+        (the device's memory in use at its end, other allocators' such as vLLM's included) unless memory(name)
+        recorded them earlier in the phase."""
+        t0 = time.perf_counter()
+        yield
+        if f"mem/{name}_used_gib" not in self.values:
+            self.memory(name)
+        self.values[f"time/{name}"] = time.perf_counter() - t0
+
+    def memory(self, name: str) -> None:
+        """The GPU memory of phase `name` now (see phase), and a new peak from here."""
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.values[f"mem/{name}_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            self.values[f"mem/{name}_used_gib"] = (total - free) / 2**30
+        self._peak_reset()
+
+    def _peak_reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def reduce(self, all_ranks: bool = True) -> dict:
+        """Collective: every metric, over all ranks (all_ranks=False: this process's alone, no collective); time/step
+        from construction to here. A mean whose count is 0 is 0."""
+        means, sums = sorted(self.counts), sorted(k for k in self.totals if k not in self.counts)
+        hi, lo = sorted(self.maxes), sorted(self.mins)
+        s = torch.tensor([float(self.totals[k]) for k in means + sums] + [float(self.counts[k]) for k in means],
+                         dtype=torch.float64, device=self.device)
+        m = torch.tensor([max(map(float, self.maxes[k])) for k in hi] + [-min(map(float, self.mins[k])) for k in lo],
+                         dtype=torch.float64, device=self.device)
+        if all_ranks and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(s)
+            dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        s, m = s.tolist(), m.tolist()
+        n = len(means)
+        out = {k: s[i] / max(s[n + len(sums) + i], 1.0) for i, k in enumerate(means)}
+        out.update((k, s[n + i]) for i, k in enumerate(sums))
+        out.update((k, m[i]) for i, k in enumerate(hi))
+        out.update((k, -m[len(hi) + i]) for i, k in enumerate(lo))
+        out.update(self.values)
+        for key, (amount, phase) in self.rates.items():
+            out[key] = out.pop(amount) / self.values[f"time/{phase}"]
+        out["time/step"] = time.perf_counter() - self.t0
+        return out
+
+
+def mismatch(stats: StepStats, old_logp_BT: torch.Tensor, mu_logp_BT: torch.Tensor, mask_BT: torch.Tensor) -> None:
+    """The mismatch/* keys (docs/algorithms.md) of these sequences into stats: old_logp the trainer's pi_old, mu_logp
+    the sampler's own log-probs, both fp32, B x T on the same device, mask_BT bool. Any set of whole sequences: the
+    rollout batch, or one micro-batch at a time (their sums add up)."""
     m = mask_BT.float()
+    n_tok, n_seq = m.sum(), float(mask_BT.shape[0])
     d = (old_logp_BT - mu_logp_BT) * m  # log pi_old - log mu, 0 off the mask
     prob_diff = (mu_logp_BT.exp() - old_logp_BT.exp()).abs() * m
     seq_log_ratio_B = d.sum(-1)  # log rho_i
-    tok_ratio = torch.exp(d)
-    sums = {
-        "n_tokens": m.sum(), "n_seqs": torch.tensor(float(mask_BT.shape[0])),
-        "kl_k1": (-d).sum(), "kl_k2": (0.5 * d ** 2).sum(), "kl_k3": ((torch.expm1(d) - d) * m).sum(),
-        "prob_abs_diff": prob_diff.sum(), "seq_log_ratio": seq_log_ratio_B.sum(),
-        "token_clip": ((tok_ratio > threshold) & mask_BT).sum(),
-        "seq_mask": (seq_log_ratio_B > torch.log(torch.tensor(threshold))).sum(),
-    }
-    if seq_ratio:
-        rho_B = torch.exp(seq_log_ratio_B)
-        sums["ratio"], ratio_max = rho_B.sum(), rho_B.max()
-    else:
-        sums["ratio"], ratio_max = (tok_ratio * m).sum(), tok_ratio.masked_fill(~mask_BT, 0).max()
-    maxes = {"prob_abs_diff": prob_diff.max(), "seq_log_ratio": seq_log_ratio_B.max(), "ratio": ratio_max}
-    mins = {"seq_log_ratio": seq_log_ratio_B.min()}
-    as_float = lambda dct: {k: float(v) for k, v in dct.items()}
-    return as_float(sums), as_float(maxes), as_float(mins)
-
-
-def mismatch_metrics(sums: dict, maxes: dict, mins: dict, seq_ratio: bool) -> dict:
-    """Metric keys of docs/algorithms.md from reduced statistics."""
-    n_tok, n_seq = max(sums["n_tokens"], 1.0), max(sums["n_seqs"], 1.0)
-    return {
-        "mismatch/kl_k1": sums["kl_k1"] / n_tok, "mismatch/kl_k2": sums["kl_k2"] / n_tok,
-        "mismatch/kl_k3": sums["kl_k3"] / n_tok,
-        "mismatch/prob_abs_diff_mean": sums["prob_abs_diff"] / n_tok, "mismatch/prob_abs_diff_max": maxes["prob_abs_diff"],
-        "mismatch/seq_log_ratio_mean": sums["seq_log_ratio"] / n_seq,
-        "mismatch/seq_log_ratio_min": mins["seq_log_ratio"], "mismatch/seq_log_ratio_max": maxes["seq_log_ratio"],
-        "is/token_clip_frac": sums["token_clip"] / n_tok, "is/seq_mask_frac": sums["seq_mask"] / n_seq,
-        "is/ratio_mean": sums["ratio"] / (n_seq if seq_ratio else n_tok), "is/ratio_max": maxes["ratio"],
-    }
-
-
-def first_minibatch_mismatch(first_logp: dict, mu_logp_BT: torch.Tensor, mask_BT: torch.Tensor, entropy: float,
-                             threshold: float, seq_ratio: bool, device) -> dict:
-    """Collective. The mismatch/* keys, is/ diagnostics and train/entropy when nothing recomputes pi_old: over the
-    sequences of the step's first mini-batch, from the log-probs (and entropy sum) of their training forward, which
-    runs before any optimizer step and so with the weights that sampled the batch. first_logp: {row: 1-D fp32}."""
-    from common.dist import reduce_stats
-    from common.logprobs import pad_float
-    rows = sorted(first_logp)
-    old_BT = pad_float([first_logp[i] for i in rows], mu_logp_BT.shape[1], "cpu")
-    sums, maxes, mins = mismatch_stats(old_BT, mu_logp_BT[rows], mask_BT[rows], threshold, seq_ratio)
-    sums["entropy"] = entropy
-    g, g_max, g_min = (reduce_stats(d, op, device) for d, op in ((sums, "sum"), (maxes, "max"), (mins, "min")))
-    return {**mismatch_metrics(g, g_max, g_min, seq_ratio), "train/entropy": g["entropy"] / max(g["n_tokens"], 1.0)}
+    stats.add("mismatch/kl_k1", (-d).sum(), n_tok)  # k1 of KL(mu || pi_old): samples from mu
+    stats.add("mismatch/kl_k2", (0.5 * d ** 2).sum(), n_tok)
+    stats.add("mismatch/kl_k3", ((torch.expm1(d) - d) * m).sum(), n_tok)  # exp(d) - 1 - d >= 0, unbiased
+    stats.add("mismatch/prob_abs_diff_mean", prob_diff.sum(), n_tok)
+    stats.max("mismatch/prob_abs_diff_max", prob_diff.max())
+    stats.add("mismatch/seq_log_ratio_mean", seq_log_ratio_B.sum(), n_seq)
+    stats.min("mismatch/seq_log_ratio_min", seq_log_ratio_B.min())
+    stats.max("mismatch/seq_log_ratio_max", seq_log_ratio_B.max())
 
 
 class MismatchMonitor:
@@ -97,45 +151,7 @@ class MismatchMonitor:
         self.baseline, self.recent, self.warning = state["baseline"], list(state["recent"]), state["warning"]
 
 
-def rollout_sums(rewards_B: torch.Tensor, group_size: int, reward_failures: int, finished: list[bool],
-                 resp_lens: list[int], seq_lens: list[int], entropy_sum: float) -> tuple[dict, dict]:
-    """Local (sums, maxes) of the rollout batch for the train/ keys of step_metrics, for common.dist.reduce_stats."""
-    r_GN = rewards_B.view(-1, group_size)
-    sums = {"reward": rewards_B.sum().item(), "reward_failures": float(reward_failures), "entropy": entropy_sum,
-            "resp_len": float(sum(resp_lens)), "truncated": float(sum(not f for f in finished)),
-            "seq_tokens": float(sum(seq_lens)), "all_correct": float((r_GN.min(-1).values == 1).sum()),
-            "all_wrong": float((r_GN.max(-1).values == 0).sum())}
-    return sums, {"resp_len": float(max(resp_lens))}
-
-
 def mean_finite(values: list[float]) -> float:
     """The mean of the finite values (a skipped fp16 step's gradient norm is inf), nan when there is none."""
     finite = [v for v in values if np.isfinite(v)]
     return float(np.mean(finite)) if finite else float("nan")
-
-
-def step_metrics(g: dict, g_max: dict, group_size: int, num_minibatches: int, grad_norms: list[float], scaler,
-                 lr: float, times: dict) -> dict:
-    """The train/, optim/, time/ and perf/ keys (docs/metrics.md) from the step's statistics reduced over all ranks (g: sums
-    with rollout_sums' keys, mismatch_stats' n_seqs / n_tokens and the summed loss; g_max: maxes), the policy's grad
-    norms (one per optimizer step) and loss scaler, and the phases' seconds (sample, recompute, train, sync)."""
-    n_seqs, n_groups, n_tok = g["n_seqs"], g["n_seqs"] / group_size, max(g["n_tokens"], 1.0)
-    return {
-        "train/accuracy": g["reward"] / n_seqs, "train/reward_failures": g["reward_failures"],
-        "train/all_correct_frac": g["all_correct"] / n_groups, "train/all_wrong_frac": g["all_wrong"] / n_groups,
-        "train/response_len_mean": g["resp_len"] / n_seqs, "train/response_len_max": g_max["resp_len"],
-        "train/truncated_frac": g["truncated"] / n_seqs, "train/entropy": g["entropy"] / n_tok,
-        "train/loss": g["loss"] / num_minibatches,  # each rank's share sums to the mini-batch's loss
-        "optim/grad_norm": mean_finite(grad_norms),
-        "optim/loss_scale": scaler.scale, "optim/skipped_steps": scaler.skipped_steps, "optim/lr": lr,
-        **{f"time/{k}": v for k, v in times.items()},
-        "perf/sample_tok_s": g["resp_len"] / times["sample"],
-        "perf/train_tok_s": g["seq_tokens"] / times["train"],  # prompt + response tokens, forward and backward
-    }
-
-
-def add_sums(total: dict, part: dict) -> None:
-    """total[key] += part[key] for every key of part: a step's statistics summed over its micro-batches (0-d tensors
-    stay on their device; common.dist.reduce_stats reads them once a step)."""
-    for key, v in part.items():
-        total[key] = total.get(key, 0.0) + v

@@ -1,23 +1,30 @@
-"""Precision policies, FP16 dynamic loss scaling and the range checks: what each flag sets and what stays fp32,
-docs/algorithms.md, "Precision"."""
+"""Precision: the flags' dtypes, FP16 dynamic loss scaling and the check of every step's log-probs; what each flag sets
+and what stays fp32: docs/algorithms.md, "Precision"."""
 import math
 
 import torch
+
+from common.dist import reduce_stats
 
 
 class TrainingFault(RuntimeError):
     """A numerical fault the run cannot train through; the scripts save the last good state and stop."""
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # the flags' names
 
 
-def resolve_precisions(precision: str, train: str | None, rollout: str | None) -> tuple[str, str]:
-    """(train precision, rollout precision): each side is `precision` unless overridden."""
+def resolve_precisions(precision: str, train: str | None, rollout: str | None) -> tuple[torch.dtype, torch.dtype]:
+    """(train dtype, rollout dtype) of the flags: each side is `precision` unless overridden. Resolved once, here."""
     train, rollout = train or precision, rollout or precision
     for name in (train, rollout):
         if name not in DTYPES:
             raise ValueError(f"unknown precision {name!r}: choose one of {', '.join(DTYPES)}")
-    return train, rollout
+    return DTYPES[train], DTYPES[rollout]
+
+
+def precision_name(dtype: torch.dtype) -> str:
+    """The flag's name of a dtype (fp16, bf16, fp32), for messages."""
+    return next(name for name, d in DTYPES.items() if d == dtype)
 
 
 class LossScaler:
@@ -40,6 +47,7 @@ class LossScaler:
         self.max_consecutive_skips = max_consecutive_skips
         self.consecutive_skips = 0
         self.fault: str | None = None  # why the run should stop (set by step), else None
+        self.norms: list[float] = []  # the gradient norms of the steps since the last log()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.enabled else loss
@@ -57,6 +65,7 @@ class LossScaler:
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2: the norm over every rank's shard
             norm = norm.full_tensor()
         norm = norm.item()
+        self.norms.append(norm)
         skipped = not math.isfinite(norm)
         if skipped:
             self.skipped_steps += 1
@@ -81,6 +90,14 @@ class LossScaler:
                           f"(loss scale now {self.scale:g})")
         return norm, skipped
 
+    def log(self, prefix: str = "optim") -> dict:
+        """<prefix>/grad_norm (the mean of the finite gradient norms of the steps since the last call: a skipped
+        step's is inf; nan when all were), <prefix>/loss_scale and <prefix>/skipped_steps (in the whole run)."""
+        finite = [n for n in self.norms if math.isfinite(n)]
+        self.norms = []
+        return {f"{prefix}/grad_norm": sum(finite) / len(finite) if finite else float("nan"),
+                f"{prefix}/loss_scale": self.scale, f"{prefix}/skipped_steps": self.skipped_steps}
+
     def state_dict(self) -> dict:
         return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps,
                 "consecutive_skips": self.consecutive_skips}
@@ -90,66 +107,18 @@ class LossScaler:
         self.consecutive_skips = state.get("consecutive_skips", 0)
 
 
-def check_finite_logprobs(step: int, mask_BT: torch.Tensor, device, train: str, rollout: str, **logp_BT) -> None:
+def check_finite_logprobs(step: int, mask_BT: torch.Tensor, device, train: torch.dtype, rollout: torch.dtype,
+                          **logp_BT) -> None:
     """Collective. Raise TrainingFault, on every rank, when a response token's log-prob (the trainer's old_logp, the
     sampler's mu_logp) is NaN or infinite on any rank: a NaN would otherwise pass silently into the metrics and,
     through a rollout correction's weights, into the loss (docs/algorithms.md, "Range checks")."""
-    from common.dist import reduce_stats
     counts = {name: float((~torch.isfinite(t) & mask_BT).sum()) for name, t in logp_BT.items()}
     counts = reduce_stats(counts, "sum", device)
     bad = {name: int(n) for name, n in counts.items() if n}
     if bad:
-        side = {"old_logp": f"the trainer ({train})", "mu_logp": f"the sampler ({rollout})"}
+        side = {"old_logp": f"the trainer ({precision_name(train)})",
+                "mu_logp": f"the sampler ({precision_name(rollout)})"}
         which = "; ".join(f"{n} response tokens with a non-finite {name} from {side.get(name, name)}"
                           for name, n in bad.items())
         raise TrainingFault(f"step {step}: {which}. The model's forward likely overflows in 16 bits: try "
                             "--train-precision / --rollout-precision bf16 or fp32 for that side")
-
-
-FORMAT_MAX = {name: torch.finfo(dtype).max for name, dtype in DTYPES.items()}
-
-
-@torch.no_grad()
-def check_forward_range(model, lm, prompts: list[list[int]], pad_id: int, device, train: str, rollout: str,
-                        chunk_size: int) -> dict:
-    """Collective (one forward under FSDP on every rank): the trainer's forward on this rank's first prompts records
-    the largest |activation| after the embedding and every decoder layer (docs/algorithms.md, "Range checks"). Raises
-    ValueError when the train or rollout precision cannot hold them or the log-probs are not finite, naming the first
-    layer at fault and the precisions whose range does. Returns {layer name: largest |activation| over all ranks}."""
-    from common.dist import reduce_stats
-    from common.fsdp import decoder_layers
-    from common.logprobs import collate
-    named = [(f"{lm.base_model_prefix}.embed_tokens", lm.get_input_embeddings())]
-    named += [(f"{lm.base_model_prefix}.layers.{i}", layer) for i, layer in enumerate(decoder_layers(lm))]
-    peaks = {name: 0.0 for name, _ in named}
-
-    def record(name):
-        def hook(module, inputs, output):
-            out = output[0] if isinstance(output, tuple) else output
-            peak = out.detach().abs().max().float()
-            peaks[name] = max(peaks[name], peak.item() if torch.isfinite(peak) else float("inf"))
-        return hook
-    handles = [m.register_forward_hook(record(name)) for name, m in named]
-    try:
-        rows = [p for p in prompts if len(p) >= 2] or [[pad_id, pad_id]]
-        ids, attn, rmask = collate([p[:-1] for p in rows], [p[-1:] for p in rows], pad_id, device)
-        logp_BT, _ = model(ids, attn, rmask, 1.0, chunk_size)
-        finite = bool(torch.isfinite(logp_BT[rmask]).all())
-    finally:
-        for h in handles:
-            h.remove()
-    peaks = reduce_stats(peaks, "max", device)
-    finite = reduce_stats({"nonfinite": float(not finite)}, "max", device)["nonfinite"] == 0
-    top = max(peaks.values())
-    for side, prec in (("training", train), ("rollouts", rollout)):
-        first = next((n for n, _ in named if peaks[n] >= FORMAT_MAX[prec]), None)  # (peaks' keys are sorted now)
-        if first is None and side == "training" and not finite:
-            first = "the log-prob head"
-        # with a finite peak, the formats that hold it; past the train precision's range, the wider formats
-        fits = [p for p, m in FORMAT_MAX.items() if (top < m if math.isfinite(top) else m > FORMAT_MAX[prec])]
-        if first is not None:
-            raise ValueError(f"the model's forward overflows {prec} ({side}): activations reach "
-                             f"{peaks[first]:.3g} at {first} on the first batch (largest {prec} value "
-                             f"{FORMAT_MAX[prec]:.5g}); precisions whose range holds them: "
-                             f"{', '.join(fits) or 'none'} (--train-precision / --rollout-precision)")
-    return peaks

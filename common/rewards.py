@@ -13,6 +13,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from fractions import Fraction
 
+import torch
+
+from common.dist import reduce_stats
+from common.precision import TrainingFault
 from workers import reward_pool
 
 PLUGIN_TIMEOUT_S = 5.0  # time limit of one call of a plug-in reward (--reward module:function), as math_reward's
@@ -247,9 +251,58 @@ def check_reward(kind: str) -> None:
 def check_step_rewards(step: int, failures: int, checked: int, device) -> None:
     """Collective. Raise TrainingFault when every reward check of the step, over all ranks, failed: a broken reward
     function, and nothing to learn from zeros."""
-    from common.dist import reduce_stats
-    from common.precision import TrainingFault
     n = reduce_stats({"failed": failures, "checked": checked}, "sum", device)
     if n["checked"] and n["failed"] == n["checked"]:
         raise TrainingFault(f"step {step}: every reward check of the step failed ({int(n['failed'])} responses; the "
                             "first error of each kind is printed above); stopped before training on it")
+
+
+class Reward:
+    """--reward as a step uses it (step 2): a rollout's responses decoded, checked against their problems' answers,
+    a response cut at the length limit given truncated_reward; stops the run when every check failed."""
+
+    def __init__(self, kind: str, truncated_reward: float, tokenizer, device, progress: bool):
+        check_reward(kind)
+        self.kind, self.truncated_reward, self.tokenizer = kind, truncated_reward, tokenizer
+        self.device, self.progress = device, progress
+
+    def __call__(self, step: int, rollout, problems: list[dict], stats) -> torch.Tensor:
+        """rewards_B, one per response (the rollout holds each problem's group in order, as samplers return it), and
+        into stats: train/accuracy (the mean reward), train/reward_failures, and the fractions of groups all right
+        (train/all_correct_frac) and all wrong (train/all_wrong_frac), which give no learning signal."""
+        group_size = len(rollout.response_ids) // len(problems)
+        texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+        answers = [p["answer"] for p in problems for _ in range(group_size)]
+        rewards, failures = score_rollout(texts, answers, rollout.finished, self.kind, self.truncated_reward,
+                                          progress=self.progress)
+        check_step_rewards(step, failures, sum(rollout.finished), self.device)
+        rewards_B = torch.tensor(rewards)
+        r_GN = rewards_B.view(-1, group_size)
+        stats.add("train/accuracy", rewards_B.sum(), len(rewards_B))
+        stats.add("train/reward_failures", float(failures))
+        stats.add("train/all_correct_frac", (r_GN.min(-1).values == 1).sum(), len(r_GN))
+        stats.add("train/all_wrong_frac", (r_GN.max(-1).values == 0).sum(), len(r_GN))
+        return rewards_B
+
+
+def evaluate(sampler, tokenizer, eval_sets: dict[str, list[dict]], infra, max_new_tokens: int, reward: str,
+             rank: int, world_size: int, device) -> dict:
+    """Collective. avg@k accuracy on each evaluation set (name -> encoded problems: prompt_ids, answer), with its own
+    sampling settings (--eval-k, --eval-temperature, --eval-top-p of `infra`, common.cli.Infra); each rank samples its
+    share of the problems, counts are summed over ranks. Returns
+    {eval/<name>/accuracy: mean reward, eval/<name>/reward_failures: checks that raised or timed out (scored 0)}.
+    Every rank calls `generate`, also with an empty share: with --vllm-tp > 1 it is a collective of the
+    tensor-parallel group."""
+    k = infra.eval_k
+    metrics = {}
+    for name, problems in eval_sets.items():
+        mine = problems[rank::world_size]
+        out = sampler.generate([p["prompt_ids"] for p in mine], k, max_new_tokens, infra.eval_temperature,
+                               infra.eval_top_p)  # even if []
+        texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True) if mine else []
+        answers = [p["answer"] for p in mine for _ in range(k)]
+        scores, failed = score_rollout(texts, answers, out.finished, reward, progress=rank == 0) if mine else ([], 0)
+        s = reduce_stats({"correct": float(sum(scores)), "failed": failed, "n": len(mine) * k}, "sum", device)
+        metrics[f"eval/{name}/accuracy"] = s["correct"] / max(s["n"], 1.0)
+        metrics[f"eval/{name}/reward_failures"] = s["failed"]
+    return metrics

@@ -1,4 +1,5 @@
-"""The run directory holds one run, and one run at a time uses it (docs/faults.md, "The run directory")."""
+"""The run directory holds one run, and one run at a time uses it (docs/faults.md, "The run directory"); its
+checkpoints, as a script saves and resumes them (docs/checkpoints.md)."""
 import fcntl
 import os
 import shutil
@@ -6,9 +7,53 @@ import socket
 
 import torch.distributed as dist
 
+from common.checkpoint import (find_resume_dir, load_training_state, rng_state, save_checkpoint, set_aside_newer,
+                               set_rng_state)
+from common.preflight import check_shared_dir
+
 RUN_FILES = ("config.json", "metrics.jsonl", "metrics.jsonl.prev", "metrics.jsonl.tmp", "checkpoints",
              "critic_checkpoints", "wandb")  # what the scripts and their logger write
 LOCK_FILE = ".lock"
+
+
+class RunDir:
+    """A run's directory: claimed for this run (claim_run_dir: one run per directory, one run at a time), seen by every
+    rank (check_shared_dir), and its checkpoints, <path>/checkpoints/step_NNNNNN. A checkpoint holds `parts`:
+    {folder in it ("" for its root): (model, optimizer, {name: an object with state_dict() and load_state_dict()})},
+    and the random streams (this process's and the sampler's generator). Collective: every rank builds it."""
+
+    def __init__(self, path: str, infra, device):
+        self.path, self.keep_last = path, infra.keep_last
+        self.checkpoints = os.path.join(path, "checkpoints")
+        self.lock = claim_run_dir(path, infra.resume is not None, infra.overwrite)  # rank 0 holds it for the run
+        check_shared_dir(path, device)  # every rank writes its shards into the checkpoints: fail now, not at a save
+        self.resume_dir = find_resume_dir(infra.resume, self.checkpoints) if infra.resume else None
+
+    def save(self, step: int, tokenizer, parts: dict, sampler) -> str:
+        """Collective: save_checkpoint of every part and stream."""
+        return save_checkpoint(self.checkpoints, step, tokenizer,
+                               {folder: (model, optimizer, {name: obj.state_dict() for name, obj in state.items()})
+                                for folder, (model, optimizer, state) in parts.items()},
+                               rng_state(getattr(sampler, "generator", None)), self.keep_last)
+
+    def load(self, parts: dict, sampler) -> int:
+        """Collective. Restore every part's optimizer and state objects and the random streams from resume_dir (its
+        weights come with building the models from it), set the checkpoints of later steps aside (set_aside_newer),
+        and return its step; 0 without --resume."""
+        if self.resume_dir is None:
+            return 0
+        for folder, (model, optimizer, state) in parts.items():
+            trainer_state, rank_state = load_training_state(os.path.join(self.resume_dir, folder), model, optimizer)
+            for name, obj in state.items():
+                obj.load_state_dict(trainer_state[name])
+            if folder == "":
+                step = trainer_state["step"]
+                if rank_state:
+                    set_rng_state(rank_state, getattr(sampler, "generator", None))
+        if dist.get_rank() == 0:
+            print(f"[resume] from {self.resume_dir} at step {step}", flush=True)
+        set_aside_newer(self.checkpoints, step)  # from an older step: the later checkpoints are moved aside
+        return step
 
 
 def claim_run_dir(run_dir: str, resume: bool, overwrite: bool):

@@ -1,20 +1,14 @@
 """The sampler interface (docs/samplers.md): token ids in; per response, token ids, the sampler's own fp32 log-prob of
-each sampled token (mu_logp) and whether it ended with end-of-sequence. Every sampler has generate(prompts, n,
-max_new_tokens, temperature, top_p) -> Rollout, load_weights(named_tensors), sleep() / wake_up() and shutdown().
-The implementations (common/hf_sampler.py, common/vllm_sampler.py) import Rollout from here, never the other way round.
-"""
+each sampled token (mu_logp) and whether it ended with end-of-sequence (common.batches.Rollout). Every sampler has
+generate(prompts, n, max_new_tokens, temperature, top_p) -> Rollout, load_weights(named_tensors), sleep() / wake_up()
+and shutdown(): common/vllm_sampler.py (vLLM in this process) and common/hf_sampler.py (the fallback)."""
 import importlib.util
-from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass
-class Rollout:
-    prompt_ids: list[list[int]] = field(default_factory=list)  # one per response (each prompt repeated n times)
-    response_ids: list[list[int]] = field(default_factory=list)
-    logprobs: list[torch.Tensor] = field(default_factory=list)  # fp32, one per response token (mu_logp)
-    finished: list[bool] = field(default_factory=list)  # ended with end-of-sequence (not cut at the length limit)
+from common.dist import stream_seed
+from common.hf_sampler import HFSampler
+from common.vllm_sampler import VLLMSampler
 
 
 def resolve_sampler(kind: str) -> tuple[str, str]:
@@ -31,16 +25,16 @@ def resolve_sampler(kind: str) -> tuple[str, str]:
     return kind, "as asked"
 
 
-def make_sampler(kind: str, model_path: str, precision: str, device, seed: int, rank: int, max_model_len: int,
-                 batch_size: int, vllm_tp: int, vllm_gpu_memory_utilization: float, vllm_sleep_level: int,
-                 vllm_kv_cache_gib: float = 0.0):
-    """The sampler of a rank: vLLM engines are seeded per TP group, the fallback sampler per rank, each with
-    stream_seed(seed, index) (streams of runs with other seeds never coincide)."""
-    from common.dist import stream_seed
-    from common.precision import DTYPES
+def make_sampler(flags, model_path: str, dtype: torch.dtype, device, seed: int, rank: int, max_model_len: int):
+    """The sampler of a rank, as `flags` say: common.cli.Infra, or any object with its fields sampler,
+    sampler_batch_size, vllm_gpu_memory_utilization and vllm_kv_cache_gib (a tool without vllm_tp or vllm_sleep_level
+    gets 1 and 0). vLLM engines are seeded per TP group, the fallback sampler per rank, each with
+    stream_seed(seed, index) (streams of runs with other seeds never coincide). Prints which sampler and why."""
+    kind, why = resolve_sampler(flags.sampler)
+    tp, sleep_level = getattr(flags, "vllm_tp", 1), getattr(flags, "vllm_sleep_level", 0)
+    if rank == 0:
+        print(f"[sampler] {kind} ({why})", flush=True)
     if kind == "vllm":
-        from common.vllm_sampler import VLLMSampler
-        return VLLMSampler(model_path, precision, stream_seed(seed, rank // vllm_tp), max_model_len, vllm_tp,
-                           vllm_gpu_memory_utilization, vllm_sleep_level, vllm_kv_cache_gib)
-    from common.hf_sampler import HFSampler
-    return HFSampler(model_path, DTYPES[precision], device, stream_seed(seed, rank), batch_size)
+        return VLLMSampler(model_path, dtype, stream_seed(seed, rank // tp), max_model_len, tp,
+                           flags.vllm_gpu_memory_utilization, sleep_level, flags.vllm_kv_cache_gib)
+    return HFSampler(model_path, dtype, device, stream_seed(seed, rank), flags.sampler_batch_size)

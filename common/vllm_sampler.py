@@ -12,10 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from common.sampler import Rollout
-
-VLLM_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-
+from common.batches import Rollout
+from common.precision import precision_name
 
 def _model_runner(llm):
     """The one place that reaches into vLLM's internals (in-process engine, V1, as of vLLM 0.25-0.32)."""
@@ -42,7 +40,7 @@ def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
 
 
 class VLLMSampler:
-    def __init__(self, model_path: str, precision: str, seed: int, max_model_len: int, tp: int = 1,
+    def __init__(self, model_path: str, dtype: torch.dtype, seed: int, max_model_len: int, tp: int = 1,
                  gpu_memory_utilization: float = 0.3, sleep_level: int = 1, kv_cache_gib: float = 0.0):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         if importlib.util.find_spec("flashinfer") is None:  # some vLLM builds leave it out; vLLM's FlashInfer
@@ -65,7 +63,7 @@ class VLLMSampler:
         # profiling"), as parallel sanity runs do
         fixed_kv = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib > 0 else {}
         try:
-            self.llm = LLM(model=model_path, dtype=VLLM_DTYPES[precision], seed=seed, tensor_parallel_size=tp,
+            self.llm = LLM(model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=tp,
                            distributed_executor_backend="external_launcher", max_model_len=max_model_len,
                            gpu_memory_utilization=gpu_memory_utilization, skip_tokenizer_init=True,
                            logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_level > 0,
@@ -73,7 +71,7 @@ class VLLMSampler:
         except (ValueError, NotImplementedError, RuntimeError) as e:
             text = str(e).lower()
             if any(w in text for w in ("dtype", "float16", "float32", "bfloat16", "not supported")):
-                raise ValueError(f"vLLM refused {precision} rollouts for this model: {e}. Choose another "
+                raise ValueError(f"vLLM refused {precision_name(dtype)} rollouts for this model: {e}. Choose another "
                                  f"--rollout-precision (or --sampler hf)") from e
             raise
         self.tp_group = None

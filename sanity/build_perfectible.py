@@ -40,7 +40,7 @@ if ROOT not in sys.path:  # `python sanity/build_perfectible.py` from anywhere
 import numpy as np
 import tyro
 
-from common.config import config_changes
+from common.cli import config_changes
 from common.dist import print0
 
 
@@ -210,7 +210,7 @@ def validate(args: Args) -> None:
     if args.temperature <= 0:
         raise ValueError("--temperature must be > 0: a success rate needs sampling")
     if args.model is not None:
-        from common.fsdp import check_model_dir
+        from common.preflight import check_model_dir
         check_model_dir(args.model)
     if args.dataset is not None and not os.path.isfile(args.dataset):
         raise FileNotFoundError(f"dataset {args.dataset!r}: no such file")
@@ -230,6 +230,7 @@ def main(args: Args) -> dict:
     from common.data import encode_problems, load_problems
     from common.dist import setup_distributed
     from common.rewards import score_responses
+    from common.precision import DTYPES
     from common.sampler import make_sampler, resolve_sampler
 
     _, _, device = setup_distributed()  # a group of one (the vLLM sampler runs over it)
@@ -267,9 +268,8 @@ def main(args: Args) -> dict:
     if todo_chunks:
         kind, why = resolve_sampler(args.sampler)
         print0(f"[sampler] {kind} ({why})")
-        sampler = make_sampler(kind, model_path, args.precision, device, args.seed, 0,
-                               args.max_prompt_len + args.max_response_len, args.sampler_batch_size, 1,
-                               args.vllm_gpu_memory_utilization, 0, args.vllm_kv_cache_gib)
+        sampler = make_sampler(args, model_path, DTYPES[args.precision], device, args.seed, 0,
+                               args.max_prompt_len + args.max_response_len)
         t0 = time.perf_counter()
         bar = tqdm(total=n_todo, desc="build", unit="problem", dynamic_ncols=True)
         with open(results_path, "a", encoding="utf-8") as f:

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import tyro
 
-from common.config import config_changes
+from common.cli import config_changes
 from common.dist import print0
 
 Precision = Literal["fp16", "bf16", "fp32"]
@@ -113,12 +113,13 @@ def kl_estimates(pi_logp: list[torch.Tensor], mu_logp: list[torch.Tensor]) -> di
     """KL(mu || pi) over all tokens, from samples of mu (docs/algorithms.md): k1, k2, k3, and mean |pi - mu| in
     probability space. The inputs are per-sequence fp32 log-probs of the sampled tokens."""
     from common.logprobs import pad_float
-    from common.metrics import mismatch_metrics, mismatch_stats
+    from common.metrics import StepStats, mismatch
     T = max(1, max(len(x) for x in pi_logp))
     lens = torch.tensor([len(x) for x in pi_logp])
     mask = torch.arange(T)[None] < lens[:, None]
-    sums, maxes, mins = mismatch_stats(pad_float(pi_logp, T, "cpu"), pad_float(mu_logp, T, "cpu"), mask, 3.0, False)
-    m = mismatch_metrics(sums, maxes, mins, seq_ratio=False)
+    stats = StepStats(torch.device("cpu"))  # the scripts' mismatch/* keys, in this process alone
+    mismatch(stats, pad_float(pi_logp, T, "cpu"), pad_float(mu_logp, T, "cpu"), mask)
+    m = stats.reduce(all_ranks=False)
     return {"kl_k1": m["mismatch/kl_k1"], "kl_k2": m["mismatch/kl_k2"], "kl_k3": m["mismatch/kl_k3"],
             "prob_abs_diff_mean": m["mismatch/prob_abs_diff_mean"],
             "prob_abs_diff_max": m["mismatch/prob_abs_diff_max"]}
@@ -236,7 +237,7 @@ def validate(args: Args) -> None:
     if args.temperature <= 0:
         raise ValueError("--temperature must be > 0: the analysis compares sampled distributions")
     if args.model is not None:
-        from common.fsdp import check_model_dir
+        from common.preflight import check_model_dir
         check_model_dir(args.model)
     if args.dataset is not None and not os.path.isfile(args.dataset):
         raise FileNotFoundError(f"dataset {args.dataset!r}: no such file")
@@ -279,8 +280,8 @@ def main(args: Args) -> dict:
     for p in precisions:
         t0 = time.perf_counter()
         # the sampler in p: responses and mu_logp (shut down before the trainer loads, to share the memory)
-        sampler = make_sampler(kind, model_path, p, device, args.seed, 0, args.max_prompt_len + args.max_response_len,
-                               args.sampler_batch_size, 1, args.vllm_gpu_memory_utilization, 0, args.vllm_kv_cache_gib)
+        sampler = make_sampler(args, model_path, DTYPES[p], device, args.seed, 0,
+                               args.max_prompt_len + args.max_response_len)
         out = sampler.generate(prompts, args.samples, args.max_response_len, args.temperature, 1.0)
         sampler.shutdown()
         del sampler

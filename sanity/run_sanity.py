@@ -43,7 +43,7 @@ if ROOT not in sys.path:  # `python sanity/run_sanity.py` from anywhere
 
 import tyro
 
-from common.config import config_changes
+from common.cli import config_changes
 from sanity.report import fmt, md_table, pass_check, plot_curves, read_metrics
 
 Algorithm = Literal["grpo", "grpo_token_tis", "grpo_seq_mis", "pg_is", "gspo", "ppo"]

@@ -82,8 +82,8 @@ def check_save(path, device, cpu_offload=False):
     logp, _ = model(ids, attn, rmask, 1.0, 16)
     (-logp.sum()).backward()
     optimizer.step()
-    save_checkpoint(os.path.join(path, "checkpoints"), 1, model, model.lm, AutoTokenizer.from_pretrained(path),
-                    optimizer, {"scaler": {}}, rng_state(), keep_last=0)
+    save_checkpoint(os.path.join(path, "checkpoints"), 1, AutoTokenizer.from_pretrained(path),
+                    {"": (model, optimizer, {"scaler": {}})}, rng_state(), keep_last=0)
     return optimizer_summary(model, optimizer)
 
 
@@ -152,13 +152,13 @@ def check_save_faults(path, device):
         if rank == faulty_rank:
             setattr(where, name, fault)
         try:
-            ck.save_checkpoint(root, step, model, model.lm, tokenizer, optimizer, {"scaler": {}}, ck.rng_state())
+            ck.save_checkpoint(root, step, tokenizer, {"": (model, optimizer, {"scaler": {}})}, ck.rng_state())
             errors.append(None)
         except ck.CheckpointError as e:
             errors.append(str(e))
         finally:
             setattr(where, name, original)
-    ck.save_checkpoint(root, len(faults) + 1, model, model.lm, tokenizer, optimizer, {"scaler": {}}, ck.rng_state())
+    ck.save_checkpoint(root, len(faults) + 1, tokenizer, {"": (model, optimizer, {"scaler": {}})}, ck.rng_state())
     return {"errors": errors, "checkpoints": [os.path.basename(c) for c in ck.list_checkpoints(root)],
             "entries": sorted(os.listdir(root))}
 
@@ -221,7 +221,7 @@ def check_offload_step(path, device):
 
 def check_shared_dir(path, device):
     """Each rank gives its own directory (as node-local run directories would be): refused on every rank."""
-    from common.checkpoint import check_shared_dir
+    from common.preflight import check_shared_dir
     check_shared_dir(path, device)  # one directory: fine
     try:
         check_shared_dir(os.path.join(path, f"node{dist.get_rank()}"), device)

@@ -65,15 +65,15 @@ def run(out_json: str, script: str, argv: list[str]) -> None:
         return out
     common.hf_sampler.HFSampler.generate = perturbed
     module = importlib.import_module(script.removesuffix(".py"))
-    args = module.parse_args(argv)
-    module.main(args)
+    module.main(module.parse_args(argv))
     common.dist.cleanup_distributed()
-    with open(os.path.join(args.run_dir, "metrics.jsonl")) as f:
+    run_dir = argv[argv.index("--run-dir") + 1]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [{k: v for k, v in json.loads(line).items() if not k.startswith(SKIP_PREFIXES)} for line in f]
-    ckpts = sorted(os.listdir(os.path.join(args.run_dir, "checkpoints")))
+    ckpts = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
     with open(out_json, "w") as f:
         json.dump({"rows": rows, "sampled": hashes,
-                   "weights": weight_digest(os.path.join(args.run_dir, "checkpoints", ckpts[-1], "model.safetensors"))},
+                   "weights": weight_digest(os.path.join(run_dir, "checkpoints", ckpts[-1], "model.safetensors"))},
                   f, indent=1)
 
 

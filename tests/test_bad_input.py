@@ -15,8 +15,9 @@ import sys
 import pytest
 
 from common import rewards
-from common.evaluate import evaluate
-from common.fsdp import check_model_dir
+from common.cli import Infra
+from common.preflight import check_model_dir
+from common.rewards import evaluate
 from common.rewards import score_rollout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -238,7 +239,7 @@ def test_broken_model_directory_exits_2_before_a_model_loads(tiny_model_dir, tmp
 
 class Sampler:  # one response "2" per sample
     def generate(self, prompts, n, max_new_tokens, temperature, top_p=1.0):
-        from common.sampler import Rollout
+        from common.batches import Rollout
         out = Rollout()
         for p in prompts:
             for _ in range(n):
@@ -261,10 +262,12 @@ def failing_check(response, answer):
 def test_evaluation_counts_reward_failures(process_group, monkeypatch):
     _, _, device = process_group
     problems = {"aime": [{"prompt_ids": [5, 6], "answer": "2"}, {"prompt_ids": [7], "answer": "3"}]}
-    metrics = evaluate(Sampler(), Tokenizer(), problems, 3, 1.0, 1.0, 8, "exact", 0, 1, device)
+    metrics = evaluate(Sampler(), Tokenizer(), problems, Infra(eval_k=3, eval_temperature=1.0, eval_top_p=1.0), 8,
+                       "exact", 0, 1, device)
     assert metrics == {"eval/aime/accuracy": 0.5, "eval/aime/reward_failures": 0.0}
     monkeypatch.setitem(rewards._CHECKS, "exact", failing_check)
-    metrics = evaluate(Sampler(), Tokenizer(), problems, 3, 1.0, 1.0, 8, "exact", 0, 1, device)
+    metrics = evaluate(Sampler(), Tokenizer(), problems, Infra(eval_k=3, eval_temperature=1.0, eval_top_p=1.0), 8,
+                       "exact", 0, 1, device)
     assert metrics == {"eval/aime/accuracy": 0.0, "eval/aime/reward_failures": 6.0}
 
 

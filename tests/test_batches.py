@@ -1,10 +1,13 @@
-"""common/batches.py and the shared step statistics of common/metrics.py, which every script uses the same way."""
+"""common/batches.py and the shared step statistics (common/metrics.py StepStats, Rollout.log, Reward, the loss
+scaler's log), which every script uses the same way."""
 import math
 
 import torch
 
-from common.batches import batch_problems
-from common.metrics import add_sums, mean_finite, rollout_sums
+from common.batches import Rollout, batch_problems, minibatch_tokens, minibatches
+from common.metrics import StepStats
+from common.precision import LossScaler
+from common.rewards import Reward
 
 
 def test_ranks_split_each_step_and_every_epoch_is_a_permutation():
@@ -18,12 +21,56 @@ def test_ranks_split_each_step_and_every_epoch_is_a_permutation():
     assert batch_problems(problems, 0, 4, 0, 1, seed=1) == steps[0][0] + steps[0][1]  # one rank: both shares
 
 
+class Tok:
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return ["".join(map(str, r)) for r in ids]
+
+
 def test_step_statistics():
-    sums, maxes = rollout_sums(torch.tensor([1.0, 1.0, 0.0, 1.0]), 2, 1, [True, False, True, True], [3, 5, 2, 4],
-                               [13, 15, 12, 14], 2.5)
-    assert sums["all_correct"] == 1 and sums["all_wrong"] == 0 and sums["truncated"] == 1 and maxes["resp_len"] == 5
-    total = {}
-    add_sums(total, {"a": 1.0})
-    add_sums(total, {"a": 2.0, "b": 1.0})
-    assert total == {"a": 3.0, "b": 1.0}
-    assert mean_finite([1.0, math.inf, 3.0]) == 2.0 and math.isnan(mean_finite([math.inf]))
+    """The train/ keys of a rollout of 2 groups of 2 (rewards 1, 1 | 0, 1; one response cut at the length limit)."""
+    rollout = Rollout(prompt_ids=[[9], [9], [8], [8]], response_ids=[[1, 1, 1], [1, 1, 1, 1, 1], [2, 2], [2, 2, 2, 2]],
+                      logprobs=[torch.zeros(n) for n in (3, 5, 2, 4)], finished=[True, False, True, True])
+    stats = StepStats(torch.device("cpu"))
+    with stats.phase("sample"):
+        pass
+    with stats.phase("train"):
+        pass
+    rollout.log(stats)
+    problems = [{"answer": "111"}, {"answer": "2222"}]
+    rewards_B = Reward("exact", 1.0, Tok(), torch.device("cpu"), progress=False)(1, rollout, problems, stats)
+    assert rewards_B.tolist() == [1.0, 1.0, 0.0, 1.0]  # the cut response gets --truncated-reward (here 1)
+    m = stats.reduce(all_ranks=False)
+    assert m["train/all_correct_frac"] == 0.5 and m["train/all_wrong_frac"] == 0.0
+    assert m["train/truncated_frac"] == 0.25 and m["train/response_len_max"] == 5
+    assert m["train/response_len_mean"] == 3.5 and m["train/accuracy"] == 0.75 and m["train/reward_failures"] == 0
+    assert m["perf/sample_tok_s"] == 14 / m["time/sample"] and m["perf/train_tok_s"] == 18 / m["time/train"]
+
+
+def test_means_sums_maxima_and_minima_add_up_over_micro_batches():
+    stats = StepStats(torch.device("cpu"))
+    stats.add("a", torch.tensor(1.0), 2)
+    stats.update({"a": (torch.tensor(2.0), 1), "b": (3.0, 0)})  # a count of 0: the mean is 0, not a division by 0
+    stats.add("s", 1.5)
+    stats.add("s", 2.0)
+    stats.max("x", torch.tensor(-1.0))
+    stats.max("x", -3.0)
+    stats.min("y", 4.0)
+    stats.min("y", torch.tensor(2.0))
+    stats.set("v", 7.0)
+    m = stats.reduce(all_ranks=False)
+    assert (m["a"], m["b"], m["s"], m["x"], m["y"], m["v"]) == (1.0, 3.0, 3.5, -1.0, 2.0, 7.0)
+
+
+def test_grad_norm_is_the_mean_of_the_finite_ones():
+    s = LossScaler(enabled=False)
+    s.norms = [1.0, math.inf, 3.0]
+    assert s.log()["optim/grad_norm"] == 2.0 and s.norms == []
+    s.norms = [math.inf]
+    assert math.isnan(s.log("critic")["critic/grad_norm"])
+
+
+def test_minibatches_are_consecutive_shares_cut_into_micro_batches(process_group):
+    _, _, device = process_group
+    mbs = minibatches([5, 5, 3, 3, 9, 1], 2, 10, device)
+    assert [sorted(i for micro in mb for i in micro) for mb in mbs] == [[0, 1, 2], [3, 4, 5]]
+    assert minibatch_tokens(mbs, [1, 2, 3, 4, 5, 6], device) == [6.0, 15.0]

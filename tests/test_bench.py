@@ -145,8 +145,8 @@ def test_trainer_step_runs_grpos_own_loss(tmp_path, process_group, monkeypatch):
         return wrapped
     monkeypatch.setattr(grpo, "policy_loss", counting(grpo.policy_loss, "loss"))
     monkeypatch.setattr(grpo, "drgrpo_advantages", counting(grpo.drgrpo_advantages, "adv"))
-    assert benchmark.recompute_logprobs is grpo.recompute_logprobs
-    monkeypatch.setattr(benchmark, "recompute_logprobs", counting(grpo.recompute_logprobs, "recompute"))
+    assert benchmark.recompute_logprobs is grpo.logprobs.recompute_logprobs
+    monkeypatch.setattr(benchmark, "recompute_logprobs", counting(grpo.logprobs.recompute_logprobs, "recompute"))
     model_dir = benchmark.build_model_dir("tiny", str(tmp_path / "model"), 0)
     args = benchmark.parse_args(["--shape", "tiny", "--num-minibatches", "2"])
     model = load_policy(model_dir, torch.float32, device, gradient_checkpointing=False)

@@ -69,8 +69,8 @@ def test_an_optimizer_state_that_does_not_fit_is_a_one_line_error(tmp_path, proc
         optimizer.step()
         runs[tie] = (path, model, optimizer)
     path, model, optimizer = runs[True]
-    ckpt = save_checkpoint(str(tmp_path / "ckpt"), 1, model, model.lm, AutoTokenizer.from_pretrained(path), optimizer,
-                           {}, rng_state())
+    ckpt = save_checkpoint(str(tmp_path / "ckpt"), 1, AutoTokenizer.from_pretrained(path), {"": (model, optimizer, {})},
+                           rng_state())
     _, model, optimizer = runs[False]
     with pytest.raises(ValueError) as e:
         load_training_state(ckpt, model, optimizer)
@@ -178,7 +178,7 @@ def test_checkpoint_is_fsynced_before_the_rename_and_pruning_comes_after(tmp_pat
         p.grad = torch.ones_like(p)
     optimizer.step()
     tokenizer, root = AutoTokenizer.from_pretrained(tiny_model_dir), str(tmp_path / "checkpoints")
-    ck.save_checkpoint(root, 1, model, model.lm, tokenizer, optimizer, {}, ck.rng_state())
+    ck.save_checkpoint(root, 1, tokenizer, {"": (model, optimizer, {})}, ck.rng_state())
     events, fsync, replace, rmtree = [], os.fsync, os.replace, shutil.rmtree
     inode = lambda st: (st.st_dev, st.st_ino)  # noqa: E731
 
@@ -196,7 +196,7 @@ def test_checkpoint_is_fsynced_before_the_rename_and_pruning_comes_after(tmp_pat
     monkeypatch.setattr(os, "fsync", record_fsync)
     monkeypatch.setattr(os, "replace", record_replace)
     monkeypatch.setattr(shutil, "rmtree", record_rmtree)
-    final = ck.save_checkpoint(root, 2, model, model.lm, tokenizer, optimizer, {}, ck.rng_state(), keep_last=1)
+    final = ck.save_checkpoint(root, 2, tokenizer, {"": (model, optimizer, {})}, ck.rng_state(), keep_last=1)
     monkeypatch.undo()
     rename = events.index(("replace", final))
     synced_before = {e[1] for e in events[:rename] if e[0] == "fsync"}
@@ -215,8 +215,8 @@ def test_resume_from_an_older_step_sets_the_later_checkpoints_aside(tmp_path, sc
     """A run saved steps 5, 10, 15 (--keep-last 3) and is resumed from step 5, to step 8, saving every step. Before,
     --keep-last sorted by step across both lines (5, 6, 10, 15 -> 6, 10, 15; then 7, 10, 15; then 8, 10, 15) and
     --resume latest took the abandoned step 15. Now, at resume, 10 and 15 are moved into checkpoints/abandoned_<time>/
-    (not deleted), so keep-last prunes the new line only (6, 7, 8) and latest is step 8. ppo.py: its critic
-    checkpoints too."""
+    (not deleted), so keep-last prunes the new line only (6, 7, 8) and latest is step 8. ppo.py: its critic, inside
+    each step's folder, goes with it."""
     from common.checkpoint import find_resume_dir, list_checkpoints
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     small = ["--run-dir", str(tmp_path), "--num-prompts", "4", "--group-size", "2", "--num-minibatches", "1",
@@ -228,14 +228,16 @@ def test_resume_from_an_older_step_sets_the_later_checkpoints_aside(tmp_path, sc
         assert p.returncode == 0, p.stderr[-3000:]
         return p.stdout
     run("--num-steps", "15", "--save-every", "5")
-    roots = ["checkpoints"] + (["critic_checkpoints"] if script == "ppo.py" else [])
+    roots = ["checkpoints"]
     steps = lambda root: [os.path.basename(c) for c in list_checkpoints(str(tmp_path / root))]  # noqa: E731
     assert [steps(root) for root in roots] == [["step_000005", "step_000010", "step_000015"]] * len(roots)
     out = run("--num-steps", "8", "--save-every", "1", "--resume", str(tmp_path / "checkpoints" / "step_000005"))
     for root in roots:
-        kept = ["step_000005"] if root == "critic_checkpoints" else []  # (ppo.py keeps one critic more: keep-last + 1)
-        assert steps(root) == kept + ["step_000006", "step_000007", "step_000008"], (root, steps(root))
+        assert steps(root) == ["step_000006", "step_000007", "step_000008"], (root, steps(root))
         aside = [d for d in os.listdir(tmp_path / root) if d.startswith("abandoned_")]
         assert len(aside) == 1 and sorted(os.listdir(tmp_path / root / aside[0])) == ["step_000010", "step_000015"]
         assert "held checkpoints after step 5 (10, 15)" in out and f"moved into {tmp_path / root / aside[0]}" in out
+        if script == "ppo.py":
+            assert all(os.path.isfile(tmp_path / root / d / "critic" / "trainer_state.json")
+                       for d in [*steps(root), f"{aside[0]}/step_000010", f"{aside[0]}/step_000015"])
     assert find_resume_dir("latest", str(tmp_path / "checkpoints")).endswith("step_000008")

@@ -41,9 +41,9 @@ def test_cispo_loss_and_gradient_hand_computed():
     loss.backward()
     # every kept token keeps a gradient, the clipped one (r = 7) included, unlike PPO's clip: -w r_clip A / N_tok
     torch.testing.assert_close(logp.grad, -(w * r_clip * adv[:, None]) * mask / 5)
-    assert stats["clip"] == 1 and stats["tokens"] == 5  # only r = 7 is outside [0, 5]
+    assert stats["policy/clip_frac"][0] == 1 and stats["policy/clip_frac"][1] == 5  # only r = 7 is outside [0, 5]
     k3 = sum(r - 1 - math.log(r) for r in [1.0, 7.0, 0.1, 0.5, 2.0])
-    assert stats["approx_kl"] == pytest.approx(k3, rel=1e-5)
+    assert stats["policy/approx_kl"][0] == pytest.approx(k3, rel=1e-5)
 
 
 def test_cispo_lower_bound_applies_when_set():
@@ -51,7 +51,7 @@ def test_cispo_lower_bound_applies_when_set():
     loss, stats = policy_loss(logp, old, adv, torch.ones_like(old), mask, 0.2, 0.28, num_tokens=5)
     r_clip = torch.tensor([[1.0, 1.28, 0.8], [0.8, 1.28, 0.0]])
     assert loss.item() == pytest.approx((-(r_clip * adv[:, None] * logp * mask).sum() / 5).item(), rel=1e-6)
-    assert stats["clip"] == 4
+    assert stats["policy/clip_frac"][0] == 4
 
 
 def test_all_zero_weights_give_zero_loss_and_no_gradient():

@@ -4,7 +4,7 @@ import importlib
 
 import pytest
 
-from common.config import config_changes
+from common.cli import config_changes
 
 SCRIPTS = ["grpo", "pg_is", "gspo", "ppo", "cispo", "sanity.build_perfectible", "sanity.mismatch_analysis",
            "sanity.run_sanity"]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import ppo
-from corrections import (REJECTS, WEIGHTS, check_correction_flags, correction_metrics, importance_weights,
-                         reject_rules, rejection_mask, weight_stats)
+from common.metrics import StepStats
+from corrections import REJECTS, WEIGHTS, Corrections, importance_weights, rejection_mask
 from grpo import policy_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,6 +23,17 @@ def tokens(*ratios):
     """One row of log-probs whose token ratios pi_old/mu are `ratios` (mu = 0), and its mask."""
     return torch.tensor([[math.log(r) for r in ratios]]), torch.zeros(1, len(ratios)), torch.ones(1, len(ratios),
                                                                                                     dtype=torch.bool)
+
+
+def weights(old, mu, mask, kind, threshold, bounds=(0.5, 5.0)):
+    return importance_weights(old, mu, mask, kind, threshold, bounds)[0]
+
+
+def weight_metrics(old, mu, mask, kind, threshold, bounds):
+    """The is/weight_* keys that Corrections.weights gives a step, as the scripts call it."""
+    stats = StepStats(torch.device("cpu"))
+    Corrections(is_correction=kind, is_threshold=threshold, icepop_bounds=bounds).weights(stats, old, mu, mask)
+    return stats.reduce(all_ranks=False)
 
 
 def keep_of(rules, old, mu, mask, logp=None, adv=None):
@@ -36,7 +47,7 @@ def keep_of(rules, old, mu, mask, logp=None, adv=None):
 
 def test_icepop_keeps_the_ratio_inside_its_bounds_and_zeroes_it_outside():
     old, mu, mask = tokens(0.5, 0.5 * OUT, 0.5 * IN, 5.0, 5.0 * IN, 5.0 * OUT, 1.0)
-    w = importance_weights(old, mu, mask, "icepop", 3.0, (0.5, 5.0))
+    w = weights(old, mu, mask, "icepop", 3.0, (0.5, 5.0))
     expected = [0.5, 0.0, 0.5 * IN, 5.0, 0.0, 5.0 * OUT, 1.0]  # the bounds themselves are inside (arXiv 2510.18855)
     assert w[0].tolist() == pytest.approx(expected, rel=1e-6)
 
@@ -45,7 +56,7 @@ def test_seq_tis_truncates_the_sequence_ratio_and_never_overflows():
     old = torch.tensor([[0.1, 0.2, 5.0], [0.5, 0.7, 0.0], [100.0, 100.0, 100.0]])
     mu = torch.zeros(3, 3)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1]], dtype=torch.bool)
-    w = importance_weights(old, mu, mask, "seq-tis", 3.0)
+    w = weights(old, mu, mask, "seq-tis", 3.0)
     assert w[0].tolist() == pytest.approx([math.exp(0.3)] * 3)  # rho = e^0.3 <= 3, the masked 5.0 ignored
     assert w[1].tolist() == pytest.approx([3.0] * 3)  # rho = e^1.2 > 3: truncated to C
     assert w[2].tolist() == pytest.approx([3.0] * 3)  # rho = e^300 (inf in fp32): still C, not inf or nan
@@ -54,13 +65,14 @@ def test_seq_tis_truncates_the_sequence_ratio_and_never_overflows():
 def test_weight_stats_count_what_each_weight_changes():
     old = torch.tensor([[math.log(4.0), 0.0], [0.1, 0.0]])
     mu, mask = torch.zeros(2, 2), torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
-    sums, maxes = weight_stats(old, mu, mask, "token-tis", 3.0, (0.5, 5.0))
-    assert sums == {"is_weight": pytest.approx(3.0 + 1.0 + math.exp(0.1)), "is_clip_tokens": 1.0, "is_clip_seqs": 1.0}
-    assert maxes["is_weight"] == 3.0
-    sums, _ = weight_stats(old, mu, mask, "seq-mis", 3.0, (0.5, 5.0))  # row 0: rho = 4 > 3 (masked), row 1 kept
-    assert sums["is_clip_tokens"] == 2.0 and sums["is_clip_seqs"] == 1.0
-    sums, _ = weight_stats(old, mu, mask, "none", 3.0, (0.5, 5.0))
-    assert sums == {"is_weight": 3.0, "is_clip_tokens": 0.0, "is_clip_seqs": 0.0}
+    m = weight_metrics(old, mu, mask, "token-tis", 3.0, (0.5, 5.0))  # 3 response tokens, 2 sequences
+    assert m["is/weight_mean"] == pytest.approx((3.0 + 1.0 + math.exp(0.1)) / 3)  # over tokens, not sequences
+    assert m["is/weight_clip_token_frac"] == 1 / 3 and m["is/weight_clip_seq_frac"] == 0.5
+    assert m["is/weight_max"] == 3.0
+    m = weight_metrics(old, mu, mask, "seq-mis", 3.0, (0.5, 5.0))  # row 0: rho = 4 > 3 (masked), row 1 kept
+    assert m["is/weight_clip_token_frac"] == 2 / 3 and m["is/weight_clip_seq_frac"] == 0.5
+    m = weight_metrics(old, mu, mask, "none", 3.0, (0.5, 5.0))
+    assert (m["is/weight_mean"], m["is/weight_clip_token_frac"], m["is/weight_clip_seq_frac"]) == (1.0, 0.0, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -70,7 +82,7 @@ def test_token_mis_rejects_tokens_outside_its_bounds():
     old, mu, mask = tokens(0.5, 0.5 * OUT, 2.0, 2.0 * IN, 1.0)
     keep, stats = keep_of({"token-mis": (0.5, 2.0)}, old, mu, mask)
     assert keep[0].tolist() == [True, False, True, False, True]
-    assert stats["rej_token_mis_tokens"] == 2 and stats["rej_token_mis_seqs"] == 1 and stats["rej_tokens"] == 2
+    assert stats["token_mis_tokens"] == 2 and stats["token_mis_seqs"] == 1 and stats["reject_tokens"] == 2
 
 
 def test_geo_mis_rejects_sequences_whose_geometric_mean_ratio_leaves_its_bounds():
@@ -80,7 +92,7 @@ def test_geo_mis_rejects_sequences_whose_geometric_mean_ratio_leaves_its_bounds(
     mu, mask = torch.zeros(4, 3), torch.tensor([[1, 1, 0]] * 4, dtype=torch.bool)
     keep, stats = keep_of({"geo-mis": (0.999, 1.001)}, old, mu, mask)
     assert keep.tolist() == [[True, True, False], [False, False, False], [True, True, False], [False, False, False]]
-    assert stats["rej_geo_mis_seqs"] == 2 and stats["rej_geo_mis_tokens"] == 4
+    assert stats["geo_mis_seqs"] == 2 and stats["geo_mis_tokens"] == 4
 
 
 def test_k3_mis_rejects_sequences_whose_mean_k3_exceeds_the_threshold():
@@ -99,7 +111,7 @@ def test_veto_rejects_a_sequence_for_one_token_below_the_threshold():
     mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
     keep, stats = keep_of({"veto": 1e-4}, old, torch.zeros(3, 3), mask)
     assert keep.tolist() == [[False] * 3, [True] * 3, [True, True, False]]  # a masked-out token vetoes nothing
-    assert stats["rej_veto_seqs"] == 1 and stats["rej_veto_tokens"] == 3
+    assert stats["veto_seqs"] == 1 and stats["veto_tokens"] == 3
 
 
 def test_opsm_drops_only_negative_advantage_sequences_far_from_mu():
@@ -109,32 +121,33 @@ def test_opsm_drops_only_negative_advantage_sequences_far_from_mu():
     old = torch.zeros(4, 2)  # pi_old = mu: OPSM reads pi_theta, not pi_old
     keep, stats = keep_of({"opsm": 0.5}, old, torch.zeros(4, 2), torch.ones(4, 2, dtype=torch.bool), logp, adv)
     assert keep[:, 0].tolist() == [False, True, True, True]
-    assert stats["rej_opsm_seqs"] == 1
+    assert stats["opsm_seqs"] == 1
 
 
 def test_rules_combine_and_count_each_on_its_own():
     old, mu, mask = tokens(0.4, 1.0, 1.0)  # token-mis rejects token 0; geo-mean 0.74 is outside geo-mis's bounds
-    keep, stats = keep_of(reject_rules(("token-mis", "geo-mis"), 0.0, (0.5, 2.0), (0.999, 1.001), 0.01, 0.5),
-                          old, mu, mask)
+    c = Corrections(is_reject=("token-mis", "geo-mis"))
+    keep, stats = keep_of(c.rules, old, mu, mask)
     assert keep.tolist() == [[False, False, False]]
-    assert stats["rej_token_mis_tokens"] == 1 and stats["rej_geo_mis_tokens"] == 3 and stats["rej_tokens"] == 3
-    metrics = correction_metrics({"n_tokens": 3.0, "n_seqs": 1.0, "is_weight": 3.0, "is_clip_tokens": 0.0,
-                                  "is_clip_seqs": 0.0, **stats}, {"is_weight": 1.0}, {"token-mis": 0, "geo-mis": 0})
+    assert stats["token_mis_tokens"] == 1 and stats["geo_mis_tokens"] == 3 and stats["reject_tokens"] == 3
+    step = StepStats(torch.device("cpu"))  # as the scripts call it: the is/ keys of the rollout batch
+    assert torch.equal(c.keep(step, old, old, mu, torch.ones(1), mask), keep)
+    metrics = step.reduce(all_ranks=False)
     assert metrics["is/token_mis_token_frac"] == pytest.approx(1 / 3) and metrics["is/geo_mis_seq_frac"] == 1.0
     assert metrics["is/reject_token_frac"] == 1.0 and metrics["is/reject_seq_frac"] == 1.0
-    assert reject_rules((), 1e-4, (0.5, 2.0), (0.999, 1.001), 0.01, 0.5) == {"veto": 1e-4}
-    assert reject_rules((), 0.0, (0.5, 2.0), (0.999, 1.001), 0.01, 0.5) == {}
+    assert Corrections(is_veto=1e-4).rules == {"veto": 1e-4}
+    assert Corrections().rules == {}
 
 
-@pytest.mark.parametrize("args,message", [
-    (("token-tis", 3.0, "mu", {}), "--old-logp mu"),
-    (("none", 0.0, "recompute", {}), "--is-threshold"),
-    (("none", 3.0, "recompute", {"--geo-mis-bounds": (1.001, 0.999)}), "--geo-mis-bounds"),
-    (("none", 3.0, "recompute", {"--k3-mis-threshold": -1.0}), "--k3-mis-threshold"),
+@pytest.mark.parametrize("flags,old_logp,message", [
+    ({"is_correction": "token-tis"}, "mu", "--old-logp mu"),
+    ({"is_threshold": 0.0}, "recompute", "--is-threshold"),
+    ({"geo_mis_bounds": (1.001, 0.999)}, "recompute", "--geo-mis-bounds"),
+    ({"k3_mis_threshold": -1.0}, "recompute", "--k3-mis-threshold"),
 ])
-def test_bad_flags_are_refused(args, message):
+def test_bad_flags_are_refused(flags, old_logp, message):
     with pytest.raises(ValueError, match=message):
-        check_correction_flags(*args)
+        Corrections(**flags).check(old_logp)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -145,7 +158,7 @@ ALL_RULES = {"token-mis": (0.5, 2.0), "geo-mis": (0.999, 1.001), "k3-mis": 0.01,
 
 def corrected_loss(loss_fn, logp, old, mu, adv, mask, weight, rules, adv_seq=None):
     keep, _ = rejection_mask(old, logp.detach(), mu, adv if adv_seq is None else adv_seq, mask, rules)
-    w = torch.where(keep, importance_weights(old, mu, mask, weight, 3.0), 0.0)
+    w = torch.where(keep, weights(old, mu, mask, weight, 3.0), 0.0)
     return loss_fn(logp, old, adv, w, mask, 0.2, 0.28, 8, len(adv))[0]
 
 
@@ -197,7 +210,7 @@ def test_weights_are_1_when_pi_old_is_mu_even_as_pi_theta_moves(weight):
     torch.manual_seed(1)
     old = -torch.rand(6, 5) * 3
     mask = torch.rand(6, 5) > 0.2
-    assert torch.equal(importance_weights(old, old.clone(), mask, weight, 3.0), torch.ones_like(old))
+    assert torch.equal(weights(old, old.clone(), mask, weight, 3.0), torch.ones_like(old))
 
 
 # ----------------------------------------------------------------------------------------------------------------

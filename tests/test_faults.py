@@ -224,7 +224,7 @@ KILLED_SAVE = textwrap.dedent("""
     model = load_policy(model_dir, torch.float32, torch.device("cpu"), False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ck.save_checkpoint(root, 1, model, model.lm, tok, opt, {"scaler": {}}, ck.rng_state(), keep_last=1)
+    ck.save_checkpoint(root, 1, tok, {"": (model, opt, {"scaler": {}})}, ck.rng_state(), keep_last=1)
     write_safetensors = ck.write_safetensors
     def save_and_hang(*args, **kwargs):  # the weights are on disk, the rest is not: now the kill comes
         write_safetensors(*args, **kwargs)
@@ -234,7 +234,7 @@ KILLED_SAVE = textwrap.dedent("""
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    ck.save_checkpoint(root, 2, model, model.lm, tok, opt, {"scaler": {}}, ck.rng_state(), keep_last=1)
+    ck.save_checkpoint(root, 2, tok, {"": (model, opt, {"scaler": {}})}, ck.rng_state(), keep_last=1)
 """)
 
 

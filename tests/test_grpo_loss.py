@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from corrections import importance_weights
+from corrections import importance_weights as weights_and_clipped
 from grpo import drgrpo_advantages, policy_loss
 
 
@@ -28,9 +28,9 @@ def test_policy_loss_hand_computed():
     loss, stats = policy_loss(logp, old, adv, torch.ones_like(old), mask, 0.2, 0.28, max_response_len=4, num_seqs=2)
     # seq 0: -(1) - min(1.5, 1.28) - min(0.7, 0.8) = -2.98; seq 1 (A<0): -min(-.25, -.4) - min(-.55, -.55) = 0.95
     assert loss.item() == pytest.approx((-2.98 + 0.95) / 4 / 2, abs=1e-6)
-    assert stats["clip"] == 2 and stats["tokens"] == 5  # seq0 tok1 (above 1.28, A>0), seq1 tok0 (below 0.8, A<0)
+    assert stats["policy/clip_frac"][0] == 2 and stats["policy/clip_frac"][1] == 5  # seq0 tok1 (above 1.28, A>0), seq1 tok0 (below 0.8, A<0)
     k3 = sum(r - 1 - math.log(r) for r in [1.0, 1.5, 0.7, 0.5, 1.1])
-    assert stats["approx_kl"] == pytest.approx(k3, rel=1e-5)
+    assert stats["policy/approx_kl"][0] == pytest.approx(k3, rel=1e-5)
 
 
 def test_policy_loss_gradient_matches_written_out_formula():
@@ -50,7 +50,7 @@ def test_token_tis_weights_hand_computed():
     old = torch.tensor([[math.log(2.0), math.log(5.0), 0.0]])
     mu = torch.zeros(1, 3)
     mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
-    w = importance_weights(old, mu, mask, "token-tis", 3.0)
+    w = weights_and_clipped(old, mu, mask, "token-tis", 3.0)[0]
     assert w[0, :2].tolist() == pytest.approx([2.0, 3.0])
 
 
@@ -58,7 +58,7 @@ def test_seq_mis_weights_hand_computed():
     old = torch.tensor([[0.1, 0.2, 5.0], [0.5, 0.7, 0.0], [100.0, 100.0, 100.0]])
     mu = torch.zeros(3, 3)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1]], dtype=torch.bool)
-    w = importance_weights(old, mu, mask, "seq-mis", 3.0)
+    w = weights_and_clipped(old, mu, mask, "seq-mis", 3.0)[0]
     assert w[0].tolist() == pytest.approx([math.exp(0.3)] * 3)  # rho = e^0.3 <= 3: kept, the masked 5.0 ignored
     assert w[1].tolist() == [0.0] * 3  # rho = e^1.2 > 3: masked
     assert w[2].tolist() == [0.0] * 3  # rho overflows to inf: masked, not nan
@@ -71,7 +71,7 @@ def test_corrections_reduce_to_drgrpo_when_mu_equals_old(mode):
     logp = old + 0.3 * torch.randn(6, 5)
     mask = torch.rand(6, 5) > 0.2
     adv = torch.randn(6)
-    w = importance_weights(old, old.clone(), mask, mode, 3.0)
+    w = weights_and_clipped(old, old.clone(), mask, mode, 3.0)[0]
     plain, _ = policy_loss(logp, old, adv, torch.ones_like(old), mask, 0.2, 0.28, 8, 6)
     corrected, _ = policy_loss(logp, old, adv, w, mask, 0.2, 0.28, 8, 6)
     assert torch.equal(w, torch.ones_like(w))

@@ -51,9 +51,9 @@ def test_policy_loss_hand_computed():
     expected = (-math.exp(0.1) + 0.4 - 2.4 - math.exp(-0.5)) / 4
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     assert expected == pytest.approx(-0.927925, abs=1e-6)
-    assert stats["clip"] == 2 and stats["seqs"] == 4 and stats["tokens"] == 8  # seqs 1 and 2 clipped
+    assert stats["policy/clip_frac"][0] == 2 and stats["policy/clip_frac"][1] == 4 and stats["policy/approx_kl"][1] == 8  # seqs 1 and 2 clipped
     k3 = sum(math.expm1(x) - x for x in [0.3, -0.1, 0.1, -0.5, -0.3, 0.5, 0.5, -0.5])  # per token, masked out
-    assert stats["approx_kl"] == pytest.approx(k3, rel=1e-5)
+    assert stats["policy/approx_kl"][0] == pytest.approx(k3, rel=1e-5)
 
 
 def test_gradient_matches_written_out_formula():
@@ -89,7 +89,7 @@ def test_first_minibatch_ratio_is_one():
     loss, stats = policy_loss(logp, old, adv, mask, 3e-4, 4e-4, 8)
     assert loss.item() == -(adv.sum() / 8).item()
     assert abs(loss.item()) < 1e-6
-    assert stats["clip"] == 0 and stats["approx_kl"] == 0
+    assert stats["policy/clip_frac"][0] == 0 and stats["policy/approx_kl"][0] == 0
     (grad,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(grad, -adv[:, None] * mask / mask.sum(-1, keepdim=True) / 8)
 
@@ -103,7 +103,7 @@ def test_normalizer_independent_of_micro_batching_and_ranks():
     mask[:, 0] = True
     adv = torch.randn(B)
     full, stats = policy_loss(logp, old, adv, mask, 3e-3, 4e-3, B)
-    assert 0 < stats["clip"] < B
+    assert 0 < stats["policy/clip_frac"][0] < B
     (g_full,) = torch.autograd.grad(full, logp)
     for world_size, micro in [(1, [[0, 1, 2], [3], [4, 5, 6, 7]]), (2, [[0, 1], [2, 3]]), (4, [[0], [1]])]:
         per_rank = B // world_size

@@ -7,8 +7,10 @@ import torch
 from conftest import assert_close_to_rounding, fp32_rounding_bound
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from common.batches import Rollout
 from common.fsdp import load_policy
 from common.logprobs import chunked_logprobs, collate, recompute_logprobs, split_microbatches
+from common.metrics import StepStats
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 100])
@@ -59,7 +61,10 @@ def test_recompute_logprobs_row_by_row_as_one_forward(tiny_model_dir, process_gr
     ids, attn, rmask = collate(prompts, responses, 0, device)
     with torch.no_grad():
         ref, ent = model(ids, attn, rmask, 0.8, 2, with_entropy=True)
-    logp, entropy_sum = recompute_logprobs(model, prompts, responses, [[2], [0, 1]], 0, 0.8, 2, device)
+    rollout = Rollout(prompts, responses, [None] * 3, [True] * 3)
+    stats = StepStats(device)
+    logp = recompute_logprobs(model, rollout, [[2], [0, 1]], 0, 0.8, 2, device, stats)
+    entropy_sum = stats.reduce()["train/entropy"] * sum(map(len, responses))  # a mean over the response tokens
     cfg = AutoConfig.from_pretrained(tiny_model_dir)
     bound = fp32_rounding_bound(cfg, ids.shape[1], 0, backward=False)
     for b, r in enumerate(responses):
@@ -69,7 +74,7 @@ def test_recompute_logprobs_row_by_row_as_one_forward(tiny_model_dir, process_gr
     n_tok, log_v = int(rmask.sum()), math.log(cfg.vocab_size)
     tol = (bound + n_tok * torch.finfo(torch.float32).eps) * n_tok * log_v  # + the sum of n_tok terms itself
     assert abs(entropy_sum - ent[rmask].sum().item()) <= tol
-    assert recompute_logprobs(model, prompts, responses, [[1]], 0, 0.8, 2, device)[0][::2] == [None, None]
+    assert recompute_logprobs(model, rollout, [[1]], 0, 0.8, 2, device, stats)[::2] == [None, None]
 
 
 def test_split_microbatches_respects_budget_and_min_count():

@@ -47,15 +47,15 @@ def hand_case():
 ])
 def test_policy_loss_hand_computed(mode, C, expected):
     logp, old, mu, adv, mask = hand_case()
-    loss, stats = policy_loss(logp, old, mu, adv, mask, mode, C, max_response_len=4, num_seqs=2)
+    loss, stats, rho_max = policy_loss(logp, old, mu, adv, mask, mode, C, max_response_len=4, num_seqs=2)
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     # the is/ sums: rho is the untruncated ratio whatever the mode; the weight what the loss used
-    assert stats["rho"] == pytest.approx(2.5) and stats["rho_max"] == pytest.approx(2.0)
-    assert stats["rho_over"] == (1 if C == 1.5 else 0) and stats["seqs"] == 2 and stats["tokens"] == 5
+    assert stats["is/ratio_mean"][0] == pytest.approx(2.5) and rho_max == pytest.approx(2.0)
+    assert stats["is/seq_mask_frac"][0] == (1 if C == 1.5 else 0) and stats["is/ratio_mean"][1] == 2 and stats["policy/approx_kl"][1] == 5
     w0 = {"is": 2.0, "tis": min(2.0, C), "mis": 2.0 if 2.0 <= C else 0.0}[mode]
-    assert stats["weight"] == pytest.approx(w0 + 0.5)
+    assert stats["is/weight_mean"][0] == pytest.approx(w0 + 0.5)
     k3 = sum(r - 1 - math.log(r) for r in [1.0, 1.5, 0.7, 0.5, 1.1])  # k3 of KL(pi_old || pi_theta), masked out: 9
-    assert stats["approx_kl"] == pytest.approx(k3, rel=1e-5)
+    assert stats["policy/approx_kl"][0] == pytest.approx(k3, rel=1e-5)
 
 
 def test_weights_above_C_truncated_or_masked_and_overflow_safe():
@@ -75,10 +75,10 @@ def test_weights_above_C_truncated_or_masked_and_overflow_safe():
     # the loss stays finite with an overflowing rho in every mode, and so does its gradient
     for mode in ["is", "tis", "mis"]:
         x = logp.clone().requires_grad_(True)
-        loss, stats = policy_loss(x, logp.detach(), mu, torch.ones(4), mask, mode, 3.0, 4, 4)
+        loss, stats, rho_max = policy_loss(x, logp.detach(), mu, torch.ones(4), mask, mode, 3.0, 4, 4)
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
-        assert stats["rho_clamped"] == 1 and math.isfinite(stats["rho"]) and math.isfinite(stats["rho_max"])
+        assert stats["is/log_rho_clamp_frac"][0] == 1 and math.isfinite(stats["is/ratio_mean"][0]) and math.isfinite(rho_max)
 
 
 def test_overflowing_rho_with_zero_advantage_is_not_nan():
@@ -88,18 +88,18 @@ def test_overflowing_rho_with_zero_advantage_is_not_nan():
     mu = torch.zeros(2, 2)
     mask = torch.tensor([[1, 0], [1, 0]], dtype=torch.bool)
     x = logp.clone().requires_grad_(True)
-    loss, stats = policy_loss(x, logp, mu, torch.tensor([0.0, 1.0]), mask, "is", 3.0, 1, 2)
+    loss, stats, rho_max = policy_loss(x, logp, mu, torch.tensor([0.0, 1.0]), mask, "is", 3.0, 1, 2)
     loss.backward()
     assert loss.item() == pytest.approx(-3.0 * math.log(3.0) / 2)  # only row 1: -rho A logp / N
     assert x.grad[0].tolist() == [0.0, 0.0] and torch.isfinite(x.grad).all()
-    assert stats["rho_clamped"] == 1
+    assert stats["is/log_rho_clamp_frac"][0] == 1
 
 
 @pytest.mark.parametrize("mode,C", [("is", 3.0), ("tis", 1.5), ("mis", 1.5)])
 def test_gradient_matches_written_out_formula(mode, C):
     logp, old, mu, adv, mask = hand_case()
     logp = logp.clone().requires_grad_(True)
-    loss, _ = policy_loss(logp, old, mu, adv, mask, mode, C, 4, 2)
+    loss, *_ = policy_loss(logp, old, mu, adv, mask, mode, C, 4, 2)
     (grad,) = torch.autograd.grad(loss, logp)
     # the formula written out: rho_i = prod_t (pi_theta / mu) over the response tokens, a constant;
     # loss = -(1/N) sum_i w_i A_i sum_t logp_it / L_max
@@ -124,9 +124,9 @@ def test_reduces_to_reinforce_with_group_baseline_when_mu_equals_logp(mode):
     old = logp.detach() + 0.1 * torch.randn(6, 5)
     mask = torch.rand(6, 5) > 0.2
     adv = drgrpo_advantages(torch.tensor([1., 0., 1., 1., 0., 0.]), 3)
-    loss, stats = policy_loss(logp, old, logp.detach().clone(), adv, mask, mode, 3.0, 8, 6)
+    loss, stats, rho_max = policy_loss(logp, old, logp.detach().clone(), adv, mask, mode, 3.0, 8, 6)
     reinforce = -(adv[:, None] * logp * mask).sum() / 8 / 6  # -A logp, Dr.GRPO's normalizer
-    assert stats["rho"] == 6.0 and stats["weight"] == 6.0  # every rho is exactly 1
+    assert stats["is/ratio_mean"][0] == 6.0 and stats["is/weight_mean"][0] == 6.0  # every rho is exactly 1
     assert loss.item() == pytest.approx(reinforce.item(), abs=1e-7)
     g, = torch.autograd.grad(loss, logp)
     g_ref, = torch.autograd.grad(reinforce, logp)
@@ -143,7 +143,7 @@ def test_modes_agree_when_every_rho_is_below_C():
     assert (rhos < 3.0).all() and not torch.allclose(rhos, torch.ones(8))  # a real correction, below C
     results = []
     for mode in ["is", "tis", "mis"]:
-        loss, _ = policy_loss(logp, logp.detach(), mu, adv, mask, mode, 3.0, 10, 8)
+        loss, *_ = policy_loss(logp, logp.detach(), mu, adv, mask, mode, 3.0, 10, 8)
         results.append((loss.item(), torch.autograd.grad(loss, logp)[0]))
     for loss_val, g in results[1:]:
         assert loss_val == results[0][0]
@@ -159,7 +159,7 @@ def test_normalizer_independent_of_micro_batching_and_ranks(mode):
     mu = logp.detach() + 0.2 * torch.randn(B, T)
     mask = torch.rand(B, T) > 0.3
     adv = torch.randn(B)
-    full, _ = policy_loss(logp, old, mu, adv, mask, mode, 1.5, L_max, B)
+    full, *_ = policy_loss(logp, old, mu, adv, mask, mode, 1.5, L_max, B)
     (g_full,) = torch.autograd.grad(full, logp)
     for world_size, micro in [(1, [[0, 1, 2], [3], [4, 5, 6, 7]]), (2, [[0, 1], [2, 3]]), (4, [[0], [1]])]:
         per_rank = B // world_size
@@ -167,7 +167,7 @@ def test_normalizer_independent_of_micro_batching_and_ranks(mode):
         for r in range(world_size):  # each rank's loss times world_size; FSDP then averages over ranks
             for mb in micro:
                 idx = [r * per_rank + i for i in mb]
-                loss, _ = policy_loss(logp[idx], old[idx], mu[idx], adv[idx], mask[idx], mode, 1.5, L_max, B)
+                loss, *_ = policy_loss(logp[idx], old[idx], mu[idx], adv[idx], mask[idx], mode, 1.5, L_max, B)
                 (g,) = torch.autograd.grad(loss * world_size, logp)
                 total += loss.item()  # = the mean over ranks of (loss * world_size)
                 grad += g / world_size

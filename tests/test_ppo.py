@@ -1,5 +1,5 @@
 """ppo.py's pure functions against hand-computed values (GAE, whitening, value loss, policy loss on per-token
-advantages), the critic wrapper of common/critic.py, and ppo.py end to end on the built-in task under torchrun."""
+advantages), the critic wrapper (in ppo.py), and ppo.py end to end on the built-in task under torchrun."""
 import json
 import math
 import os
@@ -13,10 +13,10 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.critic import init_value_head, load_critic, value_head_state
 from common.fsdp import load_policy
 from common.logprobs import collate
-from ppo import gae_advantages, policy_loss, value_loss, whiten_advantages
+from ppo import (gae_advantages, init_value_head, load_critic, policy_loss, value_head_state, value_loss,
+                 whiten_advantages)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,7 +58,8 @@ def test_whitening_gives_mean_zero_std_one_over_masked_tokens():
     torch.manual_seed(0)
     adv = torch.randn(6, 5) * 3 + 2
     mask = torch.rand(6, 5) > 0.3
-    white = whiten_advantages(adv, mask)
+    white, std_raw = whiten_advantages(adv, mask)
+    assert std_raw == pytest.approx(adv[mask].std(unbiased=False).item(), rel=1e-6)  # critic/adv_std_raw
     assert white.dtype == torch.float32
     assert white[mask].mean().item() == pytest.approx(0.0, abs=1e-6)
     assert white[mask].std().item() == pytest.approx(1.0, abs=1e-6)  # unbiased std, as verl's masked_whiten
@@ -71,7 +72,7 @@ def _whiten_half(rank, port, adv, mask, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     half = adv.shape[0] // 2
     rows = slice(rank * half, (rank + 1) * half)
-    out[rows] = whiten_advantages(adv[rows], mask[rows])
+    out[rows] = whiten_advantages(adv[rows], mask[rows])[0]
     dist.destroy_process_group()
 
 
@@ -86,7 +87,7 @@ def test_whitening_statistics_are_global_over_ranks():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_whiten_half, args=(port, adv, mask, out), nprocs=2)
-    torch.testing.assert_close(out, whiten_advantages(adv, mask))
+    torch.testing.assert_close(out, whiten_advantages(adv, mask)[0])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -110,7 +111,7 @@ def test_value_loss_hand_computed_with_the_clipped_branch():
     # d: V - V_old = 0.5 -> V_c = 0.6: (0.9-0)^2 = 0.81 > (0.6-0)^2 = 0.36, unclipped branch -> 0.5 * 0.81 = 0.405
     # (0.125 + 0.08 + 0.02 + 0.405) / 4 tokens = 0.1575
     assert loss.item() == pytest.approx(0.1575, abs=1e-6)
-    assert stats["clip"] == 2 and stats["tokens"] == 4
+    assert stats["critic/value_clip_frac"][0] == 2 and stats["critic/value_clip_frac"][1] == 4
 
 
 def test_value_loss_gradient_hand_computed_and_against_the_written_out_formula():
@@ -187,7 +188,7 @@ def test_policy_loss_on_per_token_advantages_gradient_against_the_written_out_fo
     r = torch.exp(logp.detach() - old)
     clipped = ((adv > 0) & (r > 1 + eps_high)) | ((adv < 0) & (r < 1 - eps_low))
     torch.testing.assert_close(g, -w * r * adv * (~clipped & mask) / L_max / B)
-    assert stats["clip"] == (clipped & mask).sum().item() and stats["tokens"] == mask.sum().item()
+    assert stats["policy/clip_frac"][0] == (clipped & mask).sum().item() and stats["policy/clip_frac"][1] == mask.sum().item()
 
 
 def test_policy_loss_with_a_broadcast_advantage_is_grpos():
@@ -294,13 +295,13 @@ def test_ppo_under_torchrun_then_resume_continues_exactly(tmp_path):
         for key in ["train/loss", "mismatch/kl_k3", "optim/grad_norm", "policy/approx_kl", *CRITIC_KEYS]:
             assert math.isfinite(r[key]), (key, r[key])
         assert r["critic/loss_scale"] == 2.0 ** 16 and 0 <= r["critic/value_clip_frac"] <= 1
-    # the policy: a Hugging Face model directory; the critic keeps one more checkpoint than the policy
+    # the policy: a Hugging Face model directory; the critic in its critic/ folder, saved and pruned with it
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_000002", "step_000003"]
-    assert sorted(os.listdir(os.path.join(run_dir, "critic_checkpoints"))) == [f"step_00000{i}" for i in (1, 2, 3)]
     path = os.path.join(run_dir, "checkpoints", "step_000003")
+    assert os.path.isfile(os.path.join(path, "critic", "model.safetensors"))
     model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     assert torch.isfinite(model(torch.tensor([tok.encode("12+3=")])).logits).all()
-    with open(os.path.join(run_dir, "critic_checkpoints", "step_000003", "trainer_state.json")) as f:
+    with open(os.path.join(path, "critic", "trainer_state.json")) as f:
         state = json.load(f)
     assert len(state["value_head"]["weight"][0]) == model.config.hidden_size and state["scaler"]["scale"] > 0
 
@@ -325,13 +326,14 @@ def test_ppo_cpu_offload_changes_nothing_on_cpu(tmp_path):
         p = run(TORCHRUN + ["ppo.py", "--run-dir", run_dir, *SMALL, "--num-steps", "2"] + extra)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         metrics[name] = [[r[k] for k in keys] for r in read_metrics(run_dir) if "train/accuracy" in r]
-        with open(os.path.join(run_dir, "critic_checkpoints", "step_000002", "trainer_state.json")) as f:
+        with open(os.path.join(run_dir, "checkpoints", "step_000002", "critic", "trainer_state.json")) as f:
             heads[name] = json.load(f)["value_head"]
     assert len(metrics["offload"]) == 2 and metrics["offload"] == metrics["plain"]
     assert heads["offload"] == heads["plain"]
 
 
 def test_resume_without_the_critic_checkpoint_fails_clearly(tmp_path):
+    """A checkpoint without critic/ (an older ppo.py kept the critic in critic_checkpoints/): one line, exit 2."""
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints" / "step_000001").mkdir(parents=True)
     (run_dir / "checkpoints" / "step_000001" / "trainer_state.json").write_text('{"step": 1}')

@@ -8,8 +8,8 @@ from common.precision import LossScaler, resolve_precisions
 
 
 def test_resolve_precisions():
-    assert resolve_precisions("fp16", None, None) == ("fp16", "fp16")
-    assert resolve_precisions("fp16", "bf16", "fp32") == ("bf16", "fp32")
+    assert resolve_precisions("fp16", None, None) == (torch.float16, torch.float16)  # resolved once, to dtypes
+    assert resolve_precisions("fp16", "bf16", "fp32") == (torch.bfloat16, torch.float32)
     with pytest.raises(ValueError, match="unknown precision 'fp8'"):
         resolve_precisions("fp8", None, None)
 

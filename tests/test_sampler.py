@@ -82,11 +82,13 @@ def test_streams_of_runs_with_other_seeds_never_coincide(tiny_model_dir, process
     """The sampler of (seed, rank) is seeded from the pair: rank 1 of seed 1 and rank 0 of seed 2 once both drew from
     seed 2. Every (seed, rank) of a grid gets its own stream, vLLM's per TP group too."""
     from common.dist import stream_seed
+    from common.cli import Infra
     from common.sampler import make_sampler
     _, _, device = process_group
     seeds = {(s, r): stream_seed(s, r) for s in range(1, 9) for r in range(64)}
     assert len(set(seeds.values())) == len(seeds)
-    samplers = [make_sampler("hf", tiny_model_dir, "fp32", device, seed, rank, 64, 8, 1, 0.3, 1)
+    flags = Infra(sampler="hf", sampler_batch_size=8)
+    samplers = [make_sampler(flags, tiny_model_dir, torch.float32, device, seed, rank, 64)
                 for seed, rank in ((1, 1), (2, 0))]
     assert samplers[0].generator.initial_seed() != samplers[1].generator.initial_seed()
     a, b = (s.generate(PROMPTS, 4, 10, 1.0).response_ids for s in samplers)

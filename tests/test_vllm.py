@@ -25,7 +25,7 @@ def engine(tmp_path_factory, process_group):
     path = make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny64")), head_dim=64)  # CPU kernels want >= 32
     torchrun_vars = lambda: {k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if k in os.environ}  # noqa: E731
     before = torchrun_vars()
-    sampler = VLLMSampler(path, "fp32", seed=0, max_model_len=64, gpu_memory_utilization=0.2)
+    sampler = VLLMSampler(path, torch.float32, seed=0, max_model_len=64, gpu_memory_utilization=0.2)
     yield path, sampler
     sampler.shutdown()
     # the variables vLLM's launcher needed are unset again: a later group of one must not take them for torchrun's

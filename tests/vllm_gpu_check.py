@@ -73,7 +73,7 @@ def main():
     r = {"precision": a.precision, "mode": a.mode, "trainer_gib": round(used_gib(), 2)}
     t0 = time.perf_counter()
     max_len = min(1024, trainer.lm.config.max_position_embeddings)
-    sampler = VLLMSampler(a.model, a.precision, seed=0, max_model_len=max_len, gpu_memory_utilization=0.3,
+    sampler = VLLMSampler(a.model, dtype, seed=0, max_model_len=max_len, gpu_memory_utilization=0.3,
                           sleep_level=1)
     r["engine_start_s"] = round(time.perf_counter() - t0, 1)
     r["with_engine_gib"] = round(used_gib(), 2)

@@ -1,0 +1,252 @@
+"""What every script shares on its command line: the infrastructure flags (Infra, one nested group of each script's
+Args, flat on the command line), the range checks of every shared flag, the built-in task's preset, the start-up line
+that says what a run uses, and the exit codes (docs/faults.md)."""
+import dataclasses
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import tyro
+
+from common.dist import cleanup_distributed
+from common.precision import TrainingFault
+from common.preflight import check_model_dir
+from common.rewards import check_reward
+from common.sampler import resolve_sampler
+
+
+@dataclass
+class Infra:
+    """How a run is carried out, not what it computes: the same flags in every script (common/cli.py)."""
+    # --- run
+    run_dir: str | None = None
+    """where metrics.jsonl, config.json and checkpoints/ go (default: runs/<exp_name>_<seed>)"""
+    track: bool = False
+    """log to Weights & Biases too (offline mode when no account is configured)"""
+    wandb_project: str = "rl-mismatch"
+    """the wandb project"""
+    # --- the sampler's implementation
+    sampler: Literal["auto", "vllm", "hf"] = "auto"
+    """'vllm': an in-process vLLM engine per rank; 'hf': the fallback sampler on transformers (a plain copy of the
+    policy); 'auto': vllm when it is installed and a GPU is present, else hf"""
+    sampler_batch_size: int = 256
+    """sequences decoded at once by the fallback sampler"""
+    vllm_tp: int = 1
+    """vLLM tensor parallelism: each engine is sharded over this many consecutive ranks"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take for weights and KV cache (on CPU: of the NUMA node's memory); the
+    trainer needs the rest while vLLM is awake"""
+    vllm_kv_cache_gib: float = 0.0
+    """GiB of KV cache per vLLM engine, fixed instead of sized by measuring free memory while the engine starts (0:
+    measure); set it when several runs share a GPU (sanity/run_sanity.py --parallel): another process allocating
+    or freeing during that measurement makes the engine fail to start"""
+    vllm_sleep_level: Literal[0, 1, 2] = 1
+    """vLLM sleep mode while the trainer trains (GPU only): 1 offloads the weights to CPU and frees the KV cache, 2
+    also discards the weights (reloaded from the trainer before sampling), 0 keeps everything"""
+    # --- memory and speed
+    gradient_checkpointing: bool = True
+    """recompute decoder layers' activations in the backward pass"""
+    cpu_offload: bool = False
+    """keep the trainer's sharded fp32 weights, gradients and AdamW states in CPU memory (FSDP2 CPUOffloadPolicy), for
+    a model whose training state does not fit the GPUs: 16 bytes of pinned host memory per parameter and a copy of
+    each layer's weights and gradients every forward and backward (docs/scale.md)"""
+    compile: bool = True
+    """torch.compile each decoder layer of the trainer on a GPU (fuses its many small kernels; the first step and the
+    first change of shapes pay the compilation); no effect on a CPU"""
+    logprob_chunk: int = 2048
+    """tokens per chunk of the fp32 log-prob head (bounds its memory at chunk x vocab floats)"""
+    # --- faults
+    max_skipped_steps: int = 20
+    """stop (saving the last good weights) after this many fp16 optimizer steps in a row skipped for non-finite
+    gradients; in bf16/fp32 the first non-finite gradient stops the run (0: never stop for fp16 skips)"""
+    kl_warn_factor: float = 10.0
+    """warn (log line, mismatch/collapse_warning) when kl_k3 averaged over the last kl_baseline_steps steps exceeds
+    this factor times its average over the first ones (0: off)"""
+    kl_baseline_steps: int = 10
+    """steps of the early kl_k3 baseline, and of the moving average compared with it"""
+    # --- evaluation
+    eval_dataset: tuple[str, ...] = ()
+    """evaluation files (the training file's format), each logged as eval/<file name>/accuracy"""
+    eval_every: int = 50
+    """evaluate every N steps (and at the end); 0: only at the end"""
+    eval_k: int = 4
+    """responses per evaluation problem (avg@k)"""
+    eval_temperature: float = 0.6
+    """evaluation sampling temperature"""
+    eval_top_p: float = 0.95
+    """evaluation top-p"""
+    eval_max_problems: int = 0
+    """evaluate on at most this many problems of each file (0: all)"""
+    # --- checkpoints
+    save_every: int = 100
+    """save a checkpoint every N steps (and at the end); 0: only at the end"""
+    keep_last: int = 3
+    """keep the newest N checkpoints (0: all)"""
+    resume: str | None = None
+    """resume from a checkpoint directory, or 'latest' for the newest one in <run_dir>/checkpoints"""
+    overwrite: bool = False
+    """start a new run in a --run-dir that holds another one: remove that run's files first (config.json,
+    metrics.jsonl, checkpoints/); without it (or --resume) such a directory is refused (docs/faults.md)"""
+
+
+InfraField = tyro.conf.OmitArgPrefixes[Infra]  # an Args field's type: the flags stay --run-dir, not --infra.run-dir
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the command line, and what a run uses
+
+
+def parse(args_class, preset: dict, argv: list[str] | None = None):
+    """The command line over args_class's defaults; when it names no --model, over the built-in task's `preset` (a
+    flat dict of field names, nested groups' fields included)."""
+    args = tyro.cli(args_class, args=argv)
+    if args.model is None:
+        args = tyro.cli(args_class, args=argv, default=with_values(args_class(), preset))
+    return args
+
+
+def with_values(obj, values: dict):
+    """A copy of the dataclass `obj` with `values` (flat field names) set, in nested groups too."""
+    changes = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            changes[f.name] = with_values(value, values)
+        elif f.name in values:
+            changes[f.name] = values[f.name]
+    return dataclasses.replace(obj, **changes)
+
+
+def flat_fields(obj) -> dict:
+    """A dataclass instance's fields as one flat dict; a nested dataclass field (a group of flags) is flattened."""
+    out = {}
+    for key, value in (obj if isinstance(obj, dict) else dataclasses.asdict(obj)).items():
+        out.update(flat_fields(value) if isinstance(value, dict) else {key: value})
+    return out
+
+
+def _show(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return " ".join(_show(v) for v in value) or "()"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def config_changes(args, defaults, preset: dict, preset_name: str) -> str:
+    """One line: the fields of `args` that differ from `defaults` (dataclass instances of the same class), those
+    equal to `preset`'s value marked as the preset's, the others as the command line's."""
+    now, base = flat_fields(args), flat_fields(defaults)
+    changed = {k: v for k, v in now.items() if v != base[k]}
+    from_preset = [f"{k} {_show(v)}" for k, v in changed.items() if k in preset and v == preset[k]]
+    from_cli = [f"{k} {_show(v)}" for k, v in changed.items() if not (k in preset and v == preset[k])]
+    parts = ([f"{preset_name}: {', '.join(from_preset)}"] if from_preset else []) + \
+        ([f"command line: {', '.join(from_cli)}"] if from_cli else [])
+    return "[config] Args' defaults" + (", except: " + "; ".join(parts) if parts else "")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checks before any model loads
+
+
+def _finite(x):
+    return math.isfinite(x)
+
+
+# (valid(value), what is valid) of every flag that more than one script has; a script's own flags, and another range
+# for a shared one, go to check_ranges from its validate
+RANGES = {
+    **{name: (lambda x: x >= 1, "at least 1") for name in (
+        "num_steps", "num_prompts", "num_minibatches", "micro_batch_tokens", "max_prompt_len", "max_response_len",
+        "sampler_batch_size", "vllm_tp", "logprob_chunk", "kl_baseline_steps", "eval_k")},
+    **{name: (lambda x: x >= 0, "at least 0") for name in (
+        "seed", "max_skipped_steps", "eval_every", "eval_max_problems", "save_every", "keep_last")},
+    "group_size": (lambda x: x >= 2, "at least 2: the advantages' baseline is the group's mean reward, so a group of "
+                   "one has no learning signal"),
+    "temperature": (lambda x: _finite(x) and x > 0, "finite and > 0"),
+    "lr": (lambda x: _finite(x) and x > 0, "finite and > 0"),
+    "adam_betas": (lambda b: all(0 <= x < 1 for x in b), "two numbers in [0, 1)"),
+    "weight_decay": (lambda x: _finite(x) and x >= 0, "finite and >= 0"),
+    "max_grad_norm": (lambda x: x > 0, "> 0 (inf: no clipping)"),
+    "eps_low": (lambda x: 0 <= x < 1, "in [0, 1)"),
+    "eps_high": (lambda x: _finite(x) and x >= 0, "finite and >= 0"),
+    "is_threshold": (lambda x: _finite(x) and x > 0, "finite and > 0"),
+    "truncated_reward": (_finite, "finite"),
+    "kl_warn_factor": (lambda x: _finite(x) and x >= 0, "finite and >= 0 (0: off)"),
+    "eval_temperature": (lambda x: _finite(x) and x >= 0, "finite and >= 0 (0: greedy)"),
+    "eval_top_p": (lambda x: 0 < x <= 1, "in (0, 1]"),
+    "vllm_gpu_memory_utilization": (lambda x: 0 < x <= 1, "in (0, 1]"),
+    "vllm_kv_cache_gib": (lambda x: _finite(x) and x >= 0, "finite and >= 0 (0: measured)"),
+}
+
+
+def check_ranges(args, ranges: dict) -> None:
+    """ValueError, one line naming the flag, for the first field of `args` (nested groups included) outside its
+    range; ranges: {field name: (valid(value), what is valid)}, fields the script does not have are skipped."""
+    values = flat_fields(args)
+    for name, (valid, what) in ranges.items():
+        if name in values and not valid(values[name]):
+            raise ValueError(f"--{name.replace('_', '-')} {_show(values[name])}: must be {what}")
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    if a % b:
+        raise ValueError(f"{what}: {a} is not divisible by {b}")
+    return a // b
+
+
+def validate(args, world_size: int, **ranges) -> None:
+    """The shared flags' checks, before any model loads: the RANGES (with a script's `ranges` over them), the batch
+    shape over the ranks, the files, the reward, the sampler and the run directory's flags."""
+    check_ranges(args, {**RANGES, **ranges})  # before the divisions below, which a 0 would break
+    infra = args.infra
+    exact_div(args.num_prompts, world_size, "--num-prompts over the ranks (world size)")
+    exact_div(args.num_prompts // world_size, args.num_minibatches, "--num-prompts per rank over --num-minibatches")
+    if args.top_p != 1.0:
+        raise ValueError("--top-p must be 1.0 for training rollouts: a truncated distribution makes mu and pi "
+                         "incomparable (use --eval-top-p for evaluation)")
+    exact_div(world_size, infra.vllm_tp, "the number of ranks over --vllm-tp")
+    resolve_sampler(infra.sampler)
+    check_reward(args.reward)  # imports a plug-in's module here, so that a typo fails before any model loads
+    if args.model is not None:
+        check_model_dir(args.model)
+    for path in ([args.dataset] if args.dataset else []) + list(infra.eval_dataset):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"dataset {path!r}: no such file")
+    if infra.resume not in (None, "latest") and not os.path.isdir(infra.resume):
+        raise FileNotFoundError(f"--resume {infra.resume!r}: no such directory")
+    if infra.overwrite and infra.resume is not None:
+        raise ValueError("--overwrite removes the run that --resume would continue: give one or the other")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the steps, and how a script ends
+
+_in_progress = {"step": 0}  # the step the exit message names
+
+
+def steps(first: int, last: int):
+    """first..last, each recorded as the step in progress while it runs (an interrupted run's message names it)."""
+    for step in range(first, last + 1):
+        _in_progress["step"] = step
+        yield step
+
+
+def run(main, parse_args) -> None:
+    """A script's __main__: main(parse_args()), its errors as exit codes with one line (docs/faults.md): 2 bad input,
+    3 a training fault, 130 Ctrl-C (with the step and how to go on), a traceback for anything else; DEBUG=1 gives
+    the traceback every time. Then the process group is freed (after main() returned: its model holds the group)."""
+    script = os.path.basename(sys.argv[0])
+    try:
+        main(parse_args())
+    except (ValueError, FileNotFoundError, PermissionError, TrainingFault) as e:
+        if os.environ.get("DEBUG"):
+            raise
+        print(f"{script}: error: {e}", file=sys.stderr)
+        sys.exit(3 if isinstance(e, TrainingFault) else 2)  # 3: stopped by a fault, 2: bad input
+    except KeyboardInterrupt:  # Ctrl-C: where the run stopped and how to go on, not a traceback
+        if os.environ.get("DEBUG"):
+            raise
+        print(f"{script}: interrupted at step {_in_progress['step']}; resume with --resume latest", file=sys.stderr)
+        sys.exit(130)  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
+    cleanup_distributed()

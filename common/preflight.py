@@ -1,0 +1,142 @@
+"""Checks made before the first step, each to fail early with one line rather than late with a traceback: a model
+directory that cannot load (check_model_dir), a run directory that some rank cannot see (check_shared_dir), a model
+whose activations overflow the train or rollout precision (check_forward_range; docs/algorithms.md, "Range checks")."""
+import json
+import math
+import os
+import secrets
+
+import torch
+import torch.distributed as dist
+
+from common.dist import reduce_stats
+from common.fsdp import decoder_layers
+from common.logprobs import collate
+from common.precision import DTYPES, precision_name
+
+def check_model_dir(path: str) -> None:
+    """Fail fast, before anything is loaded, on a model path that cannot be a Hugging Face model directory."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--model {path!r}: no such directory (give a local Hugging Face model directory)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"--model {path!r}: no config.json there, not a Hugging Face model directory")
+    if not os.access(os.path.join(path, "config.json"), os.R_OK):
+        raise PermissionError(f"--model {path!r}: config.json is not readable")
+    # without them AutoTokenizer builds an empty tokenizer, silently, and the run crashes later inside the model
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"--model {path!r}: no tokenizer files there ({', '.join(TOKENIZER_FILES)}); save "
+                                "the tokenizer into the model directory (tokenizer.save_pretrained)")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"--model {path!r}: model.safetensors.index.json has no readable weight_map") from None
+        for name in files:
+            if not os.path.isfile(os.path.join(path, name)):
+                raise FileNotFoundError(f"--model {path!r}: {name}, listed in model.safetensors.index.json, is missing")
+    else:
+        files = [name for name in ("model.safetensors",) if os.path.isfile(os.path.join(path, name))]
+    for name in files:
+        problem = safetensors_problem(os.path.join(path, name))
+        if problem:
+            raise ValueError(f"--model {path!r}: {name} is {problem} (an interrupted copy or download?)")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # any one: fast, sentencepiece, BPE
+
+
+def safetensors_problem(path: str) -> str | None:
+    """Why the file at `path` is not a complete safetensors file, or None. The format: 8 bytes (little-endian) giving
+    the header's length, the JSON header (each tensor's data_offsets [begin, end] in the data that follows), the
+    data; a file shorter than the header's last end offset was cut. Reads only the header."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else None
+        if n is None or 8 + n > size:
+            return f"not a complete safetensors file ({size} bytes: less than its header)"
+        try:
+            header = json.loads(f.read(n))
+            end = max([int(t["data_offsets"][1]) for name, t in header.items() if name != "__metadata__"], default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return "not a safetensors file (its header is not one)"
+    if 8 + n + end > size:
+        return f"truncated: {size} bytes, its header describes {8 + n + end}"
+    return None
+
+
+def check_shared_dir(path: str, device) -> None:
+    """Collective. Raises ValueError, on every rank, when one does not see a file rank 0 has just written into `path`:
+    checkpoints need a filesystem every rank sees (docs/scale.md, Shared filesystem)."""
+    if dist.get_world_size() == 1:
+        return
+    token = [secrets.token_hex(8) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    probe = os.path.join(path, f".shared_check_{token[0]}")
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write(token[0])
+    dist.barrier()
+    try:
+        with open(probe) as f:
+            seen = f.read() == token[0]
+    except OSError:
+        seen = False
+    blind = reduce_stats({"blind": float(not seen)}, "sum", device)["blind"]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(probe)
+    if blind:
+        raise ValueError(f"the run directory {path!r} is not on a filesystem every rank sees ({int(blind)} of "
+                         f"{dist.get_world_size()} ranks do not see rank 0's files): checkpoints are written by "
+                         "every rank into one directory, so give --run-dir on a shared filesystem")
+
+
+@torch.no_grad()
+def check_forward_range(model, prompts: list[list[int]], pad_id: int, device, train: torch.dtype,
+                        rollout: torch.dtype, chunk_size: int) -> dict:
+    """Collective (one forward under FSDP on every rank): the trainer's forward on this rank's first prompts records
+    the largest |activation| after the embedding and every decoder layer (docs/algorithms.md, "Range checks"). Raises
+    ValueError when the train or rollout precision cannot hold them or the log-probs are not finite, naming the first
+    layer at fault and the precisions whose range does. Returns {layer name: largest |activation| over all ranks}.
+    model: the FSDP root (common.logprobs.PolicyModel)."""
+    lm = model.lm
+    named = [(f"{lm.base_model_prefix}.embed_tokens", lm.get_input_embeddings())]
+    named += [(f"{lm.base_model_prefix}.layers.{i}", layer) for i, layer in enumerate(decoder_layers(lm))]
+    peaks = {name: 0.0 for name, _ in named}
+
+    def record(name):
+        def hook(module, inputs, output):
+            out = output[0] if isinstance(output, tuple) else output
+            peak = out.detach().abs().max().float()
+            peaks[name] = max(peaks[name], peak.item() if torch.isfinite(peak) else float("inf"))
+        return hook
+    handles = [m.register_forward_hook(record(name)) for name, m in named]
+    try:
+        rows = [p for p in prompts if len(p) >= 2] or [[pad_id, pad_id]]
+        ids, attn, rmask = collate([p[:-1] for p in rows], [p[-1:] for p in rows], pad_id, device)
+        logp_BT, _ = model(ids, attn, rmask, 1.0, chunk_size)
+        finite = bool(torch.isfinite(logp_BT[rmask]).all())
+    finally:
+        for h in handles:
+            h.remove()
+    peaks = reduce_stats(peaks, "max", device)
+    finite = reduce_stats({"nonfinite": float(not finite)}, "max", device)["nonfinite"] == 0
+    top = max(peaks.values())
+    fmax = {name: torch.finfo(dtype).max for name, dtype in DTYPES.items()}
+    for side, dtype in (("training", train), ("rollouts", rollout)):
+        prec = precision_name(dtype)
+        first = next((n for n, _ in named if peaks[n] >= fmax[prec]), None)  # (peaks' keys are sorted now)
+        if first is None and side == "training" and not finite:
+            first = "the log-prob head"
+        # with a finite peak, the formats that hold it; past the train precision's range, the wider formats
+        fits = [p for p, m in fmax.items() if (top < m if math.isfinite(top) else m > fmax[prec])]
+        if first is not None:
+            raise ValueError(f"the model's forward overflows {prec} ({side}): activations reach "
+                             f"{peaks[first]:.3g} at {first} on the first batch (largest {prec} value "
+                             f"{fmax[prec]:.5g}); precisions whose range holds them: "
+                             f"{', '.join(fits) or 'none'} (--train-precision / --rollout-precision)")
+    return peaks
