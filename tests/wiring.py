@@ -1,0 +1,114 @@
+"""Runs grpo.py's main() with what tests/test_wiring.py needs to see inside a step:
+
+    python tests/wiring.py record OUT_JSON [grpo.py args...]   # what the loss received, and what it returned
+    torchrun --nproc_per_node N tests/wiring.py fixed [grpo.py args...]   # a sampler that returns a fixed batch
+
+record: the sampler's mu is perturbed (a seeded +-1 nat per token, as tests/same_numbers.py does) so that the
+rollout correction's weights are not 1, and every call of grpo.policy_loss and of Corrections.weights is recorded:
+the weights and normalizers the loss received, the loss it returned, the weights the correction computed.
+fixed: every rank's sampler answers each prompt with responses that depend on the prompt alone (not on the rank, the
+seed or the weights), with a fixed mu, so that 1 rank and N ranks train on the same global batch."""
+import json
+import os
+import sys
+import zlib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.chdir(ROOT)
+
+import torch  # noqa: E402
+
+import common.dist  # noqa: E402
+import common.hf_sampler  # noqa: E402
+import corrections  # noqa: E402
+import grpo  # noqa: E402
+from common.batches import Rollout  # noqa: E402
+
+
+def record(out_json: str, argv: list[str]) -> None:
+    calls = {"loss": [], "weights": []}
+    generate = common.hf_sampler.HFSampler.generate
+    n_calls = [0]
+
+    def perturbed(self, *a, **k):
+        out = generate(self, *a, **k)
+        n_calls[0] += 1
+        g = torch.Generator().manual_seed(n_calls[0])
+        out.logprobs = [(lp + 2 * torch.rand(lp.shape, generator=g) - 1).clamp(max=0.0) for lp in out.logprobs]
+        return out
+    common.hf_sampler.HFSampler.generate = perturbed
+    loss_fn, weights_fn = grpo.policy_loss, corrections.Corrections.weights
+
+    def loss(logp_BT, old_logp_BT, adv_B, weight_BT, mask_BT, eps_low, eps_high, max_response_len, num_seqs):
+        out = loss_fn(logp_BT, old_logp_BT, adv_B, weight_BT, mask_BT, eps_low, eps_high, max_response_len, num_seqs)
+        calls["loss"].append({"weight_sum": float((weight_BT * mask_BT).sum()), "tokens": int(mask_BT.sum()),
+                              "max_response_len": max_response_len, "num_seqs": num_seqs, "loss": float(out[0])})
+        return out
+
+    def weights(self, stats, old_logp_BT, mu_logp_BT, mask_BT):
+        w_BT = weights_fn(self, stats, old_logp_BT, mu_logp_BT, mask_BT)
+        calls["weights"].append({"weight_sum": float((w_BT * mask_BT).sum()), "tokens": int(mask_BT.sum())})
+        return w_BT
+    grpo.policy_loss, corrections.Corrections.weights = loss, weights
+    grpo.main(grpo.parse_args(argv))
+    common.dist.cleanup_distributed()
+    with open(out_json, "w") as f:
+        json.dump(calls, f)
+
+
+class FixedSampler:
+    """Answers each built-in-task prompt ("47+38=") with its sum for even response numbers and with digits drawn from a
+    generator seeded by the prompt's ids and the response's number for odd ones (1 to 3 of them), so that rewards
+    differ within a group; mu_logp -1 per token; every response counts as ended."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def generate(self, prompts, n, max_new_tokens, temperature, top_p=1.0):
+        out = Rollout()
+        for p in prompts:
+            a, b = self.tokenizer.decode(p).rstrip("=").split("+")
+            for j in range(n):
+                g = torch.Generator().manual_seed(zlib.crc32(bytes(str((p, j)), "ascii")))
+                digits = "".join(str(int(i)) for i in torch.randint(0, 10, (int(torch.randint(1, 4, (), generator=g)),),
+                                                                       generator=g))
+                ids = self.tokenizer.encode(str(int(a) + int(b)) if j % 2 == 0 else digits, add_special_tokens=False)
+                k = len(ids)
+                out.prompt_ids.append(p)
+                out.response_ids.append(ids)
+                out.logprobs.append(torch.full((k,), -1.0))
+                out.finished.append(True)
+        return out
+
+    def load_weights(self, named_tensors):
+        for _ in named_tensors:  # the gathers are collectives: every rank takes part in all of them
+            pass
+
+    def wake_up(self):
+        pass
+
+    def sleep(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+def fixed(argv: list[str]) -> None:
+    from transformers import AutoTokenizer
+
+    def make_sampler(flags, model_path, *a, **k):
+        return FixedSampler(AutoTokenizer.from_pretrained(model_path))
+    grpo.make_sampler = make_sampler
+    grpo.main(grpo.parse_args(argv))
+    common.dist.cleanup_distributed()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "record":
+        record(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] == "fixed":
+        fixed(sys.argv[2:])
+    else:
+        raise SystemExit(__doc__)
