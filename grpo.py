@@ -36,6 +36,7 @@ from common.config import config_changes, flat_fields
 from common.data import encode_problems, load_problems
 from common.dist import cleanup_distributed, phase_memory, print0, reduce_stats, seed_everything, setup_distributed
 from common.evaluate import eval_name, evaluate
+from common.exact import describe, enable_exact, plan_for_run
 from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
 from common.logprobs import collate, pad_float, recompute_logprobs, to_device
@@ -109,6 +110,13 @@ class Args:
     vllm_sleep_level: Literal[0, 1, 2] = 1
     """vLLM sleep mode while the trainer trains (GPU only): 1 offloads the weights to CPU and frees the KV cache, 2
     also discards the weights (reloaded from the trainer before sampling), 0 keeps everything"""
+    exact: bool = False
+    """exact on-policy log-probs (docs/exact.md): vLLM runs in its batch-invariant mode and the trainer's forward calls
+    the same kernels op by op on unpadded sequences, so old_logp equals mu bit for bit. Qwen2 models, vLLM 0.25.1,
+    --vllm-tp 1, a Hopper GPU, the same fp16 or bf16 on both sides; --compile has no effect then"""
+    exact_vllm_graphs: bool = False
+    """with --exact: vLLM keeps torch.compile and CUDA graphs (every custom op on its own kernel) instead of running
+    eager: faster sampling, bitwise parity as checked by sanity/exact_probe.py"""
     # --- precision
     precision: Literal["fp16", "bf16", "fp32"] = "fp16"
     """precision of both the trainer's compute and the sampler's weights"""
@@ -327,10 +335,15 @@ def main(args: Args) -> None:
         eval_sets[eval_name(path)] = ps[:args.eval_max_problems] if args.eval_max_problems else ps
     print0(f"[data] {len(problems)} training problems; eval: {', '.join(f'{k} ({len(v)})' for k, v in eval_sets.items()) or 'none'}")
 
+    # exact mode (docs/exact.md), refused here, before a model loads, where unsupported
+    exact = plan_for_run(model_path, train_precision=train_prec, rollout_precision=rollout_prec,
+                         sampler=resolve_sampler(args.sampler)[0], vllm_tp=args.vllm_tp, top_p=args.top_p,
+                         graphs=args.exact_vllm_graphs) if args.exact else None
+
     # --- models: the trainer (FSDP2, fp32 master weights) and the sampler (its own copy, rollout precision)
     weights_path = resume_dir or model_path
     model = load_policy(weights_path, DTYPES[train_prec], device, args.gradient_checkpointing,
-                        cpu_offload=args.cpu_offload, compile=args.compile)
+                        cpu_offload=args.cpu_offload, compile=args.compile and exact is None)
     params = [p for p in model.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     scaler = LossScaler(enabled=train_prec == "fp16", max_consecutive_skips=args.max_skipped_steps)
@@ -339,7 +352,11 @@ def main(args: Args) -> None:
     print0(f"[sampler] {sampler_kind} ({why})")
     sampler = make_sampler(sampler_kind, weights_path, rollout_prec, device, args.seed, rank,
                            args.max_prompt_len + args.max_response_len, args.sampler_batch_size, args.vllm_tp,
-                           args.vllm_gpu_memory_utilization, args.vllm_sleep_level, args.vllm_kv_cache_gib)
+                           args.vllm_gpu_memory_utilization, args.vllm_sleep_level, args.vllm_kv_cache_gib,
+                           exact=exact)
+    if exact is not None:  # the trainer's forward on vLLM's kernels, with the engine's RoPE cache and page size
+        enable_exact(model, exact, sampler.exact_facts)
+        print0(f"[exact] {describe(exact, sampler.exact_facts)}")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     print0(f"[setup] {world_size} rank(s) on {device.type}; train {train_prec}, rollout {rollout_prec}; "
            f"{sum(p.numel() for p in params) / 1e6:.1f}M parameters")  # a DTensor's numel is the full size

@@ -654,6 +654,17 @@ class VllmKernels:
         return self._compute_token_logprobs(x, targets[:, None]).squeeze(-1)
 
 
+def describe(plan: ExactPlan, facts: dict) -> str:
+    """One line: what both sides run in exact mode."""
+    attention = (f"FA3 (FlashAttention {facts['fa_version']})" if plan.attention == "FLASH_ATTN"
+                 else "Triton unified attention")
+    return (f"vLLM batch-invariant, {'compiled with CUDA graphs' if plan.graphs else 'eager'}, model runner "
+            f"{facts['runner']}, {attention} on {facts['block_size']}-token pages, RMSNorm patch "
+            f"{'on' if plan.rmsnorm_patch else 'off'}; the trainer calls the same kernels "
+            f"({'fused' if plan.fused else 'per-projection'} q/k/v and gate/up, {'paged' if plan.paged else 'packed'} "
+            "K/V)")
+
+
 def enable_exact(model, plan: ExactPlan, facts: dict) -> ExactForward:
     """Put a PolicyModel (common/logprobs.py) into exact mode with the engine's facts (VLLMSampler.exact_facts):
     vLLM's kernels, its RoPE cache and page size, the plan's trainer switches. Returns the ExactForward (also

@@ -33,14 +33,15 @@ def resolve_sampler(kind: str) -> tuple[str, str]:
 
 def make_sampler(kind: str, model_path: str, precision: str, device, seed: int, rank: int, max_model_len: int,
                  batch_size: int, vllm_tp: int, vllm_gpu_memory_utilization: float, vllm_sleep_level: int,
-                 vllm_kv_cache_gib: float = 0.0):
+                 vllm_kv_cache_gib: float = 0.0, exact=None):
     """The sampler of a rank: vLLM engines are seeded per TP group, the fallback sampler per rank, each with
-    stream_seed(seed, index) (streams of runs with other seeds never coincide)."""
+    stream_seed(seed, index) (streams of runs with other seeds never coincide). exact: a common.exact.ExactPlan
+    (vLLM only: exact mode, docs/exact.md)."""
     from common.dist import stream_seed
     from common.precision import DTYPES
     if kind == "vllm":
         from common.vllm_sampler import VLLMSampler
         return VLLMSampler(model_path, precision, stream_seed(seed, rank // vllm_tp), max_model_len, vllm_tp,
-                           vllm_gpu_memory_utilization, vllm_sleep_level, vllm_kv_cache_gib)
+                           vllm_gpu_memory_utilization, vllm_sleep_level, vllm_kv_cache_gib, exact=exact)
     from common.hf_sampler import HFSampler
     return HFSampler(model_path, DTYPES[precision], device, stream_seed(seed, rank), batch_size)
