@@ -184,7 +184,7 @@ def padded_sdpa(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, p
     """Causal attention of each row on its own tokens, through torch's scaled_dot_product_attention on the rows padded
     back to B x max_len (right padding: a real query never sees a padded key). Differentiable: the attention's
     backward recomputes with it, and the CPU reference uses it."""
-    B, L, H, D = pack.batch, pack.max_len, q_NHD.shape[1], q_NHD.shape[2]
+    B, L, H = pack.batch, pack.max_len, q_NHD.shape[1]
 
     def pad(x):
         out = x.new_zeros(B, L, *x.shape[1:])

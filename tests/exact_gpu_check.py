@@ -1,0 +1,145 @@
+"""Exact mode on a GPU, end to end, for one model and precision: vLLM samples in batch-invariant mode, the trainer
+(FSDP2, exact forward) recomputes, and every response token's old_logp must equal mu bit for bit. One engine per
+process: tests/test_exact_gpu.py runs this in a subprocess per case (under torchrun for two ranks); prints one line
+"RESULT {json}" (rank 0, every rank's counts).
+
+    python tests/exact_gpu_check.py --model DIR --precision bf16
+    torchrun --nproc_per_node 2 tests/exact_gpu_check.py --model DIR --precision bf16
+
+Phases, each compared token by token with the sampler's mu: "t1" (temperature 1, mixed prompt and response lengths,
+recomputed in micro-batches of one token budget), "t1_rebatched" (the same tokens in micro-batches of another
+budget: other batch compositions), "t0.7" (temperature 0.7: vLLM's temperature kernel), "train" (one micro-batch in
+train mode, with gradient checkpointing and gradients: the first mini-batch's pi_theta), "after_sync" (one AdamW step,
+the sampler asleep, the new weights loaded into it, awake, a new rollout)."""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.dist import setup_distributed  # noqa: E402
+from common.exact import describe, enable_exact, plan_for_run  # noqa: E402
+from common.fsdp import iter_full_state, load_policy  # noqa: E402
+from common.logprobs import collate, recompute_logprobs, split_microbatches  # noqa: E402
+from common.precision import DTYPES  # noqa: E402
+from common.sampler import Rollout  # noqa: E402
+from common.vllm_sampler import VLLMSampler, _sampled_logprobs  # noqa: E402
+
+
+def rollout_mixed(sampler, prompts, max_tokens, n, temperature) -> Rollout:
+    """VLLMSampler.generate with a length limit per prompt, so that one engine batch mixes short and long responses
+    (the engine's steps then mix prefills and decodes of many lengths)."""
+    from vllm.inputs import TokensPrompt
+    params = [sampler.sampling_params(n, m, temperature) for m in max_tokens]
+    outputs = sampler.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    out = Rollout()
+    for prompt, request in zip(prompts, outputs):
+        for c in request.outputs:
+            ids = list(c.token_ids)
+            out.prompt_ids.append(prompt)
+            out.response_ids.append(ids)
+            out.logprobs.append(torch.tensor(_sampled_logprobs(c.logprobs, ids), dtype=torch.float32))
+            out.finished.append(c.finish_reason == "stop")
+    return out
+
+
+def compare(old: list[torch.Tensor], mu: list[torch.Tensor]) -> dict:
+    """Token by token: how many are bitwise equal, the largest |difference|, kl_k3, and the first few that differ."""
+    n = equal = 0
+    worst, k3, first = 0.0, 0.0, []
+    for i, (a, b) in enumerate(zip(old, mu)):
+        same = a.view(torch.int32) == b.view(torch.int32)
+        n += len(a)
+        equal += int(same.sum())
+        d = (a.double() - b.double())
+        worst = max(worst, float(d.abs().max()) if len(a) else 0.0)
+        k3 += float((torch.expm1(d) - d).sum())
+        for j in (~same).nonzero().flatten().tolist()[:3]:
+            if len(first) < 5:
+                first.append([i, j, float(a[j]), float(b[j])])
+    return {"tokens": n, "equal": equal, "max_abs_diff": worst, "kl_k3": k3 / max(n, 1), "first_diffs": first}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--precision", required=True, choices=["fp16", "bf16"])
+    ap.add_argument("--graphs", action="store_true", help="vLLM compiled with CUDA graphs (ExactPlan.graphs)")
+    ap.add_argument("--prompts", type=int, default=12, help="prompts per rank (4 responses each)")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    a = ap.parse_args()
+    rank, world, device = setup_distributed()
+    dtype = DTYPES[a.precision]
+    plan = plan_for_run(a.model, train_precision=a.precision, rollout_precision=a.precision, sampler="vllm",
+                        vllm_tp=1, top_p=1.0, graphs=a.graphs)
+    t0 = time.perf_counter()
+    model = load_policy(a.model, dtype, device, gradient_checkpointing=True, compile=False)
+    sampler = VLLMSampler(a.model, a.precision, seed=1000 + rank, max_model_len=a.max_model_len,
+                          gpu_memory_utilization=0.35, sleep_level=1, exact=plan)
+    enable_exact(model, plan, sampler.exact_facts)
+    r = {"rank": rank, "world": world, "precision": a.precision, "exact": describe(plan, sampler.exact_facts),
+         "start_s": round(time.perf_counter() - t0, 1), "phases": {}}
+    vocab = model.lm.config.vocab_size
+    g = torch.Generator().manual_seed(rank)
+    # prompt lengths 3..700 and response limits 1..900 (prompt + response within max_model_len), all different
+    plens = torch.randint(3, 700, (a.prompts,), generator=g).tolist()
+    limits = [1, 17, 64, 300, 900, 5, 129, 700, 33, 256, 2, 511][:a.prompts]
+    limits += torch.randint(1, 900, (max(0, a.prompts - len(limits)),), generator=g).tolist()
+    prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in plens]
+
+    def recompute(out, budget, temperature=1.0):
+        lens = [len(p) + len(x) for p, x in zip(out.prompt_ids, out.response_ids)]
+        logp, _ = recompute_logprobs(model, out.prompt_ids, out.response_ids, split_microbatches(lens, budget), 0,
+                                     temperature, 2048, device)
+        return logp
+
+    phases = r["phases"]
+    rollouts = {}
+    for temperature in (1.0, 0.7):
+        t = time.perf_counter()
+        out = rollouts[temperature] = rollout_mixed(sampler, prompts, limits, 4, temperature)
+        sample_s = time.perf_counter() - t
+        t = time.perf_counter()
+        phases[f"t{temperature:g}"] = {**compare(recompute(out, 4096, temperature), out.logprobs),
+                                       "sample_s": round(sample_s, 2),
+                                       "recompute_s": round(time.perf_counter() - t, 2)}
+    first = rollouts[1.0]
+    phases["t1_rebatched"] = compare(recompute(first, 16384), first.logprobs)
+    # train mode, gradient checkpointing, autograd on: the first mini-batch's pi_theta equals pi_old equals mu
+    sampler.sleep()
+    model.train()
+    idx = list(range(min(16, len(first.response_ids))))
+    ids, attn, rmask = collate([first.prompt_ids[i] for i in idx], [first.response_ids[i] for i in idx], 0, device)
+    logp_BT, _ = model(ids, attn, rmask, 1.0, 2048)
+    (-(logp_BT * rmask).sum() / rmask.sum()).backward()
+    params = list(model.parameters())
+    local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+    rows = [logp_BT[b, :len(first.response_ids[i])].detach().cpu() for b, i in enumerate(idx)]
+    phases["train"] = {**compare(rows, [first.logprobs[i] for i in idx]),
+                       "grads_finite": len(local) == len(params) and all(bool(torch.isfinite(x).all()) for x in local)}
+    # one optimizer step (large enough to move 16-bit weights), the weights into the sleeping sampler, a new rollout
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    moved = compare(recompute(first, 4096), first.logprobs)
+    r["tokens_moved_by_step"] = moved["tokens"] - moved["equal"]  # > 0: the step changed the trainer's log-probs
+    sampler.load_weights(iter_full_state(model.lm, dtype, device))
+    sampler.wake_up()
+    out = rollout_mixed(sampler, prompts, limits, 4, 1.0)
+    phases["after_sync"] = compare(recompute(out, 4096), out.logprobs)
+    gathered = [None] * world
+    if world > 1:  # (before the sampler's shutdown, which may take the process group down)
+        dist.all_gather_object(gathered, r)
+    else:
+        gathered = [r]
+    sampler.shutdown()
+    if rank == 0:
+        print("RESULT " + json.dumps({"ranks": gathered}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
