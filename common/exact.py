@@ -464,7 +464,7 @@ class ExactForward:
         """One chunk of the log-prob head, as vLLM's sampler computes mu: lm_head in the model dtype, an exact fp32
         copy, the temperature (none at 1: vLLM's kernel returns early there), the log-prob kernel. The entropy is plain
         torch (no parity needed)."""
-        x = _Linear.apply(hidden_NH, weight_VH, self.k.linear).float()
+        x = self._tap("logits", -1, _Linear.apply(hidden_NH, weight_VH, self.k.linear)).float()
         if temperature != 1.0:
             x = _Temperature.apply(x, temperature, self.k.temperature)
         logp_N = _TokenLogprob.apply(x, targets_N, self.k.token_logprobs)
