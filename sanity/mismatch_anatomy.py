@@ -139,7 +139,7 @@ class VllmCapture:
 
         def on_embed(mod, args, out):
             if self.active:
-                self.steps.append({("ids", -1): args[0].detach().clone(), "logits": []})
+                self.steps.append({("ids", -1): args[0].detach().clone(), "logits": [], "logits_in": []})
                 put("embedding", -1, out)
         hook(base.embed_tokens, on_embed)
         for i, layer in enumerate(base.layers):
@@ -191,9 +191,10 @@ class VllmCapture:
                 put("residual", n_layers, out[1])
         hook(base.norm, final_norm)
 
-        def on_logits(mod, args, out):
+        def on_logits(mod, args, out):  # LogitsProcessor.forward(lm_head, hidden_states)
             if self.active:
                 self.steps[-1]["logits"].append(out.detach().clone())
+                self.steps[-1]["logits_in"].append(args[1].detach().clone())
         hook(model.logits_processor, on_logits)
 
     def sequence(self, seq: list[int]) -> dict:
@@ -202,7 +203,7 @@ class VllmCapture:
         L = len(seq)
         ids = torch.tensor(seq)
         step = next(s for s in self.steps if torch.equal(s[("ids", -1)][:L].cpu().long(), ids))
-        out = {k: v[:L] for k, v in step.items() if k != "logits"}
+        out = {k: v[:L] for k, v in step.items() if k not in ("logits", "logits_in")}
         out[("logits", -1)] = torch.cat(step["logits"][1:])[:L - 1]
         self.steps = []
         return out
@@ -303,14 +304,15 @@ class HfOps:
     def linear(self, x, modules):
         return torch.cat([m(x) for m in modules], dim=-1)
 
-    def rope(self, q, k, layer):
+    def rope(self, q, k, layer, positions):
         from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
         L, hd = q.shape[0], layer.self_attn.head_dim
+        cos, sin = (x[:, positions] for x in self.cos_sin)
         qr, kr = apply_rotary_pos_emb(q.view(1, L, -1, hd).transpose(1, 2), k.view(1, L, -1, hd).transpose(1, 2),
-                                      *self.cos_sin)
+                                      cos, sin)
         return qr.transpose(1, 2).reshape(L, -1), kr.transpose(1, 2).reshape(L, -1)
 
-    def attention(self, q, k, v, layer, seq):
+    def attention(self, q, k, v, layer, pack):  # (one sequence: causal over all of q's rows)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         at, L = layer.self_attn, q.shape[0]
         q4, k4, v4 = (x.reshape(1, L, -1, at.head_dim).transpose(1, 2) for x in (q, k, v))
@@ -341,15 +343,11 @@ class ExactOps:
         biases = [m.bias for m in modules if m.bias is not None]
         return self.ex.linear(x, [m.weight for m in modules], biases or None)
 
-    def rope(self, q, k, layer):
-        positions = torch.arange(q.shape[0], device=q.device)
+    def rope(self, q, k, layer, positions):
         return self.k.rope(positions, q, k, self.ex.cos_sin_cache, layer.self_attn.head_dim)
 
-    def attention(self, q, k, v, layer, seq):
-        from common.exact import Pack
-        from common.logprobs import collate
+    def attention(self, q, k, v, layer, pack):
         at, L = layer.self_attn, q.shape[0]
-        pack = Pack(*collate([seq[:1]], [seq[1:]], 0, q.device), page_size=self.ex.page_size)
         return self.k.attention(q.view(L, -1, at.head_dim), k.view(L, -1, at.head_dim),
                                 v.reshape(L, -1, at.head_dim), pack, at.scaling).reshape(L, -1)
 
@@ -364,21 +362,24 @@ class ExactOps:
 
 
 @torch.no_grad()
-def isolated(ops, model, v: dict, seq: list[int], chunk: int) -> dict:
-    """Each op of the trainer (`ops`) applied to vLLM's own inputs for it (v: a VllmCapture.sequence): what the op
-    alone does differently, whatever came before."""
+def isolated(ops, model, v: dict, positions, pack, targets=None, chunk: int = 2048) -> dict:
+    """Each op of the trainer (`ops`) applied to vLLM's own inputs for it (v: the rows of one engine step, as
+    VllmCapture records them): what the op alone does differently, whatever came before. positions: the rows'
+    positions; pack: the rows' sequences for the attention (None: no attention, e.g. a decode step, whose keys are
+    in earlier steps); targets: the next tokens of the rows before the last, for the head (None: no head)."""
     base = model.lm.model
     n_layers, out = len(base.layers), {}
-    targets = torch.tensor(seq[1:], device=v[("embedding", -1)].device)
     for i, layer in enumerate(base.layers):
         at, mlp = layer.self_attn, layer.mlp
         s_in = v[("embedding", -1)] if i == 0 else v[("residual", i)]
         nq, nkv = at.q_proj.weight.shape[0], at.k_proj.weight.shape[0]
         out[("input_norm", i)] = ops.norm(s_in, layer.input_layernorm)
         out[("qkv", i)] = ops.linear(v[("input_norm", i)], [at.q_proj, at.k_proj, at.v_proj])
-        out[("rope_q", i)], out[("rope_k", i)] = ops.rope(v[("rope_in_q", i)], v[("rope_in_k", i)], layer)
-        value = v[("qkv", i)].split([nq, nkv, nkv], dim=-1)[2]
-        out[("attention", i)] = ops.attention(v[("rope_q", i)], v[("rope_k", i)], value, layer, seq)
+        out[("rope_q", i)], out[("rope_k", i)] = ops.rope(v[("rope_in_q", i)], v[("rope_in_k", i)], layer,
+                                                          positions)
+        if pack is not None:
+            value = v[("qkv", i)].split([nq, nkv, nkv], dim=-1)[2]
+            out[("attention", i)] = ops.attention(v[("rope_q", i)], v[("rope_k", i)], value, layer, pack)
         out[("o_proj", i)] = ops.linear(v[("attention", i)], [at.o_proj])
         out[("residual_mid", i)] = v[("o_proj", i)] + s_in
         out[("post_norm", i)] = ops.norm(v[("residual_mid", i)], layer.post_attention_layernorm)
@@ -387,8 +388,9 @@ def isolated(ops, model, v: dict, seq: list[int], chunk: int) -> dict:
         out[("mlp_out", i)] = ops.linear(v[("act", i)], [mlp.down_proj])
         out[("residual", i + 1)] = v[("mlp_out", i)] + v[("residual_mid", i)]
     out[("final_norm", -1)] = ops.norm(v[("residual", n_layers)], base.norm)
-    out[("logits", -1)] = ops.logits(v[("final_norm", -1)][:len(seq) - 1], chunk)
-    out[("logprob", -1)] = ops.logprob(v[("logits", -1)], targets)
+    if targets is not None:
+        out[("logits", -1)] = ops.logits(v[("final_norm", -1)][:len(targets)], chunk)
+        out[("logprob", -1)] = ops.logprob(v[("logits", -1)], targets)
     return out
 
 
@@ -630,8 +632,8 @@ def exact_plan(args: Args, model_path: str, precision: str):
 def run_precision(args: Args, p: str, model_path: str, prompts: list[list[int]], device) -> dict:
     from transformers import AutoModelForCausalLM
     from common.dist import setup_distributed
-    from common.exact import enable_exact
-    from common.logprobs import PolicyModel
+    from common.exact import Pack, enable_exact
+    from common.logprobs import PolicyModel, collate
     from common.precision import DTYPES
     from common.vllm_sampler import VLLMSampler, _model_runner
     from sanity.mismatch_analysis import recompute_logp
@@ -677,15 +679,17 @@ def run_precision(args: Args, p: str, model_path: str, prompts: list[list[int]],
         v = capture.sequence(seq)
         v[("logprob", -1)] = vllm_alone[-1].to(device)
         op_tokens += len(seq)
+        positions, targets = torch.arange(len(seq), device=device), torch.tensor(seq[1:], device=device)
+        pack = Pack(*collate([seq[:1]], [seq[1:]], 0, device), page_size=ex.page_size if ex is not None else 16)
         got = hf_capture(model, seq, args.logprob_chunk)
         stats.add("trainer", "accumulated", v, got, n_layers)
-        stats.add("trainer", "isolated", v, isolated(HfOps(model, got[("cos_sin", -1)]), model, v, seq,
-                                                     args.logprob_chunk), n_layers)
+        stats.add("trainer", "isolated", v, isolated(HfOps(model, got[("cos_sin", -1)]), model, v, positions, pack,
+                                                     targets, args.logprob_chunk), n_layers)
         del got
         if ex is not None:
             stats.add("exact trainer", "accumulated", v, exact_capture(model, ex, seq, args.logprob_chunk), n_layers)
-            stats.add("exact trainer", "isolated", v, isolated(ExactOps(ex, model), model, v, seq,
-                                                               args.logprob_chunk), n_layers)
+            stats.add("exact trainer", "isolated", v, isolated(ExactOps(ex, model), model, v, positions, pack,
+                                                               targets, args.logprob_chunk), n_layers)
         del v
         torch.cuda.empty_cache() if device.type == "cuda" else None
     if capture is not None:

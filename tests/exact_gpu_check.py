@@ -26,42 +26,8 @@ from common.exact import describe, enable_exact, plan_for_run  # noqa: E402
 from common.fsdp import iter_full_state, load_policy  # noqa: E402
 from common.logprobs import collate, recompute_logprobs, split_microbatches  # noqa: E402
 from common.precision import DTYPES  # noqa: E402
-from common.sampler import Rollout  # noqa: E402
-from common.vllm_sampler import VLLMSampler, _sampled_logprobs  # noqa: E402
-
-
-def rollout_mixed(sampler, prompts, max_tokens, n, temperature) -> Rollout:
-    """VLLMSampler.generate with a length limit per prompt, so that one engine batch mixes short and long responses
-    (the engine's steps then mix prefills and decodes of many lengths)."""
-    from vllm.inputs import TokensPrompt
-    params = [sampler.sampling_params(n, m, temperature) for m in max_tokens]
-    outputs = sampler.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    out = Rollout()
-    for prompt, request in zip(prompts, outputs):
-        for c in request.outputs:
-            ids = list(c.token_ids)
-            out.prompt_ids.append(prompt)
-            out.response_ids.append(ids)
-            out.logprobs.append(torch.tensor(_sampled_logprobs(c.logprobs, ids), dtype=torch.float32))
-            out.finished.append(c.finish_reason == "stop")
-    return out
-
-
-def compare(old: list[torch.Tensor], mu: list[torch.Tensor]) -> dict:
-    """Token by token: how many are bitwise equal, the largest |difference|, kl_k3, and the first few that differ."""
-    n = equal = 0
-    worst, k3, first = 0.0, 0.0, []
-    for i, (a, b) in enumerate(zip(old, mu)):
-        same = a.view(torch.int32) == b.view(torch.int32)
-        n += len(a)
-        equal += int(same.sum())
-        d = (a.double() - b.double())
-        worst = max(worst, float(d.abs().max()) if len(a) else 0.0)
-        k3 += float((torch.expm1(d) - d).sum())
-        for j in (~same).nonzero().flatten().tolist()[:3]:
-            if len(first) < 5:
-                first.append([i, j, float(a[j]), float(b[j])])
-    return {"tokens": n, "equal": equal, "max_abs_diff": worst, "kl_k3": k3 / max(n, 1), "first_diffs": first}
+from common.vllm_sampler import VLLMSampler  # noqa: E402
+from sanity.exact_probe import compare_logprobs as compare, rollout_mixed  # noqa: E402
 
 
 def main():

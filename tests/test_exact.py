@@ -3,6 +3,7 @@ the packing of right-padded rows into vLLM's layout, the backward of every op ag
 and the whole exact forward wired through an FSDP2 PolicyModel with torch reference kernels standing in for vLLM's:
 the same log-probs, entropy and gradients as the default forward up to fp32 rounding. vLLM's own kernels and the
 bitwise equality run on a GPU: tests/test_exact_gpu.py, sanity/exact_probe.py."""
+import json
 import os
 import subprocess
 import sys
@@ -246,3 +247,33 @@ def test_exact_forward_equals_the_default_forward_up_to_rounding(tiny_model_dir,
     assert_close_to_rounding(g1, g0, bwd)
     assert torch.equal(lp2, lp0) and torch.equal(g2, g0)
     assert (lp1[~batch[2]] == 0).all() and g1.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The GPU probe's harness (sanity/exact_probe.py): its comparisons, and a failing probe process reported as a row
+
+def test_probe_comparisons_and_rows(tmp_path):
+    from sanity.exact_probe import Rows, compare_logprobs, table
+    old = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
+    mu = [torch.tensor([-1.0, -2.5]), torch.tensor([-0.5])]
+    c = compare_logprobs(old, mu)
+    assert c["tokens"] == 3 and c["equal"] == 2 and c["max_abs_diff"] == 0.5 and c["first_diffs"] == [[0, 1, -2.0, -2.5]]
+    rows = Rows(str(tmp_path / "rows.jsonl"), variant="v", model="m", precision="bf16")
+    rows.compare("same", torch.ones(3, dtype=torch.float16), torch.ones(3, dtype=torch.float16))
+    rows.compare("one off", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
+    rows.run("raises", lambda: 1 / 0)
+    got = [json.loads(line) for line in open(tmp_path / "rows.jsonl")]
+    assert [(r["probe"], r["equal"]) for r in got] == [("same", True), ("one off", "1/2"), ("raises", False)]
+    assert got[2]["note"].startswith("error: ZeroDivisionError") and "\n" not in got[2]["note"]
+    md = table(got)
+    assert "| v | m | bf16 | one off | **1/2** | 0.5 |" in md
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels would run: this checks the harness")
+def test_probe_reports_a_failed_process_as_a_row(tmp_path):
+    p = subprocess.run([sys.executable, "sanity/exact_probe.py", "--variants", "kernels", "--out-dir",
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = json.loads((tmp_path / "probe.json").read_text())
+    assert rows and all(r["variant"] == "kernels" for r in rows)
+    assert "| probe | bitwise equal |" in p.stdout and (tmp_path / "probe.md").is_file()
