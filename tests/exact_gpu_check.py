@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.batches import micro_batches  # noqa: E402
 from common.dist import setup_distributed  # noqa: E402
 from common.exact import describe, enable_exact, plan_for_run  # noqa: E402
 from common.fsdp import iter_full_state, load_policy  # noqa: E402
-from common.logprobs import collate, recompute_logprobs, split_microbatches  # noqa: E402
+from common.logprobs import collate, recompute_logprobs  # noqa: E402
 from common.precision import DTYPES  # noqa: E402
 from common.vllm_sampler import VLLMSampler  # noqa: E402
 from sanity.exact_probe import compare_logprobs as compare, rollout_mixed  # noqa: E402
@@ -59,7 +60,8 @@ def main():
 
     def recompute(out, budget, temperature=1.0):
         lens = [len(p) + len(x) for p, x in zip(out.prompt_ids, out.response_ids)]
-        logp, _ = recompute_logprobs(model, out.prompt_ids, out.response_ids, split_microbatches(lens, budget), 0,
+        # (micro_batches: the same number of forwards on every rank, each a collective under FSDP2)
+        logp, _ = recompute_logprobs(model, out.prompt_ids, out.response_ids, micro_batches(lens, budget, device), 0,
                                      temperature, 2048, device)
         return logp
 
