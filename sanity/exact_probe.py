@@ -52,6 +52,8 @@ SHAPES = {"hd128": dict(hidden_size=1536, intermediate_size=8960, num_attention_
           "hd64": dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
                        tie_word_embeddings=True)}
 PREFILL_LENS = [300, 120, 45, 17, 230, 8]  # distinct (a decode row is told by its position); 720 >= 256 tokens
+E2E_PROMPT_LENS = [3, 17, 64, 130, 257, 400, 9, 700]  # the end-to-end rollout: prompt lengths and response limits
+E2E_LIMITS = [900, 5, 300, 64, 1, 512, 129, 33]
 
 
 @dataclass
@@ -351,7 +353,7 @@ def hook_probes(rows, sampler, model, ex, vocab: int):
     from common.vllm_sampler import _model_runner, _sampled_logprobs
     from sanity.mismatch_anatomy import ExactOps, VllmCapture, isolated
     from vllm.inputs import TokensPrompt
-    dev = torch.device("cuda")
+    dev = next(model.parameters()).device
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in PREFILL_LENS]
     capture = VllmCapture(_model_runner(sampler.llm).model)
@@ -436,10 +438,10 @@ def end_to_end(rows, sampler, model, ex, plan, vocab: int):
     against mu token by token. Then temperature 0.7; then the default trainer (Hugging Face path), for reference."""
     from common.exact import ExactForward, VllmKernels
     from sanity.mismatch_analysis import recompute_logp
-    dev = torch.device("cuda")
+    dev = next(model.parameters()).device
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in (3, 17, 64, 130, 257, 400, 9, 700)]
-    limits = [900, 5, 300, 64, 1, 512, 129, 33]
+    prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in E2E_PROMPT_LENS]
+    limits = E2E_LIMITS
     out = rollout_mixed(sampler, prompts, limits, 4, 1.0)
     switches = [(f, pg) for f in (True, False) for pg in ((True, False) if plan.attention == "FLASH_ATTN" else (True,))]
     for fused, paged in switches:

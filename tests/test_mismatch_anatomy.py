@@ -117,3 +117,71 @@ def test_anatomy_on_cpu_with_vllm(tmp_path):
     assert 0.0 <= dec["total"]["kl_k3"] < 1e-8
     assert [(x["from"], x["to"]) for x in dec["links"]] == [("mu", "vllm_batch"), ("vllm_batch", "vllm_alone"),
                                                             ("vllm_alone", "hf_alone"), ("hf_alone", "hf_batch")]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_probe_and_exact_capture_run_on_cpu_with_vllm(tmp_path, process_group, monkeypatch):
+    """The GPU probe's engine checks (sanity/exact_probe.py: hooks on a prefill and a decode step, end to end) and the
+    anatomy's exact-path pieces, run on a CPU: vLLM's CPU build, fp32, the torch reference kernels standing in for
+    vLLM's CUDA ones. Not bitwise (other kernels), but every row lines up: each op agrees to fp32 rounding, which a
+    wrong row, position or sequence mapping would not (their values differ by O(1))."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import common.exact as E
+    import sanity.exact_probe as P
+    from common.logprobs import PolicyModel, collate
+    from common.vllm_sampler import VLLMSampler, _model_runner
+    from conftest import make_char_tokenizer
+    from sanity.mismatch_anatomy import ExactOps, VllmCapture, exact_capture, isolated, prefill_logprobs
+    tok = make_char_tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    torch.manual_seed(0)
+    lm = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in lm.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    path = str(tmp_path / "m")
+    lm.save_pretrained(path)
+    tok.save_pretrained(path)
+    sampler = VLLMSampler(path, "fp32", seed=0, max_model_len=512, gpu_memory_utilization=0.2, sleep_level=0)
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        model = PolicyModel(lm).eval()
+        ex = E.ExactForward(E.TorchKernels(), E.rope_cache(64, 512, cfg.rope_parameters["rope_theta"], torch.float32))
+        ex.install(lm)
+        model.exact = ex
+        monkeypatch.setattr(E, "VllmKernels", lambda plan: E.TorchKernels())
+        monkeypatch.setattr(P, "PREFILL_LENS", [40, 12, 5, 7, 23, 8])
+        monkeypatch.setattr(P, "E2E_PROMPT_LENS", [3, 17, 40])
+        monkeypatch.setattr(P, "E2E_LIMITS", [20, 1, 9])
+        rows = P.Rows(str(tmp_path / "rows.jsonl"), variant="cpu", model="tiny", precision="fp32")
+        P.hook_probes(rows, sampler, model, ex, cfg.vocab_size)
+        P.end_to_end(rows, sampler, model, ex, E.ExactPlan(head_dim=64, attention="TRITON_ATTN"), cfg.vocab_size)
+        got = [json.loads(line) for line in open(tmp_path / "rows.jsonl")]
+        probes = [r["probe"] for r in got]
+        assert probes[0] == "steps recorded" and got[0]["equal"] is True
+        for part in ("prefill attention", "decode attention", "decode log-prob", "end to end T=0.7"):
+            assert any(p.startswith(part) for p in probes), part
+        for r in got[1:]:
+            assert not r["note"].startswith("error"), r
+            assert r["max_abs_diff"] is not None and r["max_abs_diff"] < 1e-4, r  # fp32 rounding, not a wrong row
+        # the anatomy's exact path: taps and the isolated ops line up with vLLM's hooked rows
+        seq = torch.randint(2, cfg.vocab_size, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+        capture = VllmCapture(_model_runner(sampler.llm).model)
+        capture.active = True
+        prefill_logprobs(sampler.llm, [seq])
+        capture.active = False
+        capture.remove()
+        v = capture.sequence(seq)
+        pack = E.Pack(*collate([seq[:1]], [seq[1:]], 0, "cpu"))
+        for got_ops in (exact_capture(model, ex, seq, 16),
+                        isolated(ExactOps(ex, model), model, v, torch.arange(len(seq)), pack,
+                                 torch.tensor(seq[1:]), 16)):
+            for key, t in got_ops.items():
+                if key in v and key != ("logprob", -1):
+                    n = min(len(t), len(v[key]))
+                    assert (t[:n] - v[key][:n]).abs().max() < 1e-4, key
+    finally:
+        sampler.shutdown()
