@@ -554,6 +554,8 @@ def engine_facts(llm, model_runner) -> dict:
     return {"runner": "v2" if type(model_runner).__module__.startswith("vllm.v1.worker.gpu.") else "v1",
             "attention_impl": type(impl).__name__ if impl is not None else None,
             "fa_version": getattr(impl, "vllm_flash_attn_version", None),
+            "window": tuple(getattr(impl, "sliding_window", None) or (-1, -1)),
+            "softcap": getattr(impl, "logits_soft_cap", 0) or 0,
             "block_size": config.cache_config.block_size,
             # each CustomOp's bound forward: forward_cuda is vLLM's kernel, anything else its native (or compiled) math
             "op_forwards": {type(m).__name__: getattr(m._forward_method, "__name__", "?")
@@ -576,6 +578,9 @@ def verify_engine(plan: ExactPlan, facts: dict) -> None:
         problems.append(f"attention {facts['attention_impl']}, not {want_impl}")
     if plan.attention == "FLASH_ATTN" and facts["fa_version"] != 3:
         problems.append(f"FlashAttention {facts['fa_version']}, not 3")
+    if facts.get("window", (-1, -1)) != (-1, -1) or facts.get("softcap", 0):
+        problems.append(f"attention window {facts.get('window')}, softcap {facts.get('softcap')} (the trainer runs "
+                        "neither)")
     native = [name for name in ("RMSNorm", "SiluAndMul", "RotaryEmbedding")  # the ops the trainer calls
               if facts["op_forwards"].get(name, "forward_cuda") != "forward_cuda"]
     if native:

@@ -205,7 +205,8 @@ def test_engine_arguments_and_the_engine_check():
     for bad, says in [({"runner": "v1"}, "model runner v1"), ({"fa_version": 2}, "FlashAttention 2"),
                       ({"batch_invariant": False}, "batch-invariant mode is off"),
                       ({"op_forwards": {"RMSNorm": "forward_native"}}, "not on their vLLM kernels: RMSNorm"),
-                      ({"attention_impl": "TritonAttentionImpl"}, "attention TritonAttentionImpl")]:
+                      ({"attention_impl": "TritonAttentionImpl"}, "attention TritonAttentionImpl"),
+                      ({"window": (4095, 0)}, "attention window")]:
         with pytest.raises(RuntimeError, match=says):
             verify_engine(plan, {**facts, **bad})
 
