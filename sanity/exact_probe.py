@@ -264,44 +264,48 @@ def kernel_probes(rows_path: str, precisions):
             rows.compare("log-prob kernel (V2): 1 row vs 64", vk.token_logprobs(x[:1], t[:1]),
                          vk.token_logprobs(x, t)[:1])
             rows.compare("log-prob kernel (V2) vs torch log_softmax", vk.token_logprobs(x, t),
-                         torch.log_softmax(x, -1).gather(-1, t[:, None]).squeeze(-1), "info")
+                         torch.log_softmax(x, -1).gather(-1, t[:, None]).squeeze(-1),
+                         "info; torch's is vLLM's batch-invariant Triton log_softmax here (the V1 runner's)")
             rows.compare("temperature kernel 0.7: 1 row vs 64", vk.temperature(x[:1], 0.7), vk.temperature(x, 0.7)[:1])
             rows.compare("temperature kernel vs torch x / 0.7", vk.temperature(x, 0.7), x / 0.7, "info")
         rows.run("log-prob head", head)
 
         def backward():
-            """Each Function (vLLM forward, torch backward) against autograd through fp32 torch reference math."""
-            vk, tk = VllmKernels(ExactPlan(head_dim=128, attention="FLASH_ATTN")), TorchKernels()
-            vt = VllmKernels(ExactPlan(head_dim=64, attention="TRITON_ATTN"))
-            ids, attn, rmask = collate([[1] * 99, [1] * 40], [[1], [1]], 0, dev)
-            pack = Pack(ids, attn, rmask, page_size=16)
-            N = int(pack.cu_seqlens[-1])
-            cache = rope_cache(128, 4096, 1e6, dtype)
-            positions = pack.positions_N
-            t = torch.randint(0, 1000, (N,), generator=g, device=dev)
-            cases = {
-                "rms_norm": (lambda x, w, k: _RMSNorm.apply(x, w, 1e-6, k.rms_norm), (rnd(N, H), rnd(H) + 1)),
-                "linear": (lambda x, w, k: _Linear.apply(x, w, k.linear), (rnd(N, H), rnd(512, H, scale=0.02))),
-                "rope": (lambda q, kk, k: torch.cat(_Rope.apply(q, kk, positions, cache, 128, k.rope), -1),
+            """Each Function (vLLM's forward, the torch backward) on the GPU against autograd through the torch
+            reference forward in fp64 on the CPU (on the GPU, batch-invariant mode replaces aten's bmm, softmax and
+            mean, which have no fp64 kernels there)."""
+            vk, vt = (VllmKernels(ExactPlan(head_dim=hd, attention=a)) for hd, a in ((128, "FLASH_ATTN"),
+                                                                                      (64, "TRITON_ATTN")))
+            ctx = {}
+            for where in ("cuda", "cpu"):
+                ids, attn, rmask = collate([[1] * 99, [1] * 40], [[1], [1]], 0, where)
+                pack = Pack(ids, attn, rmask, page_size=16)
+                ctx[where] = (pack, pack.positions_N, rope_cache(128, 4096, 1e6, dtype).to(where))
+            N = int(ctx["cpu"][0].cu_seqlens[-1])
+            targets = torch.randint(0, 1000, (N,), generator=g, device=dev)
+            cases = {  # name: (fn(inputs..., kernels, (pack, positions, cache), targets), inputs)
+                "rms_norm": (lambda x, w, k, c, t: _RMSNorm.apply(x, w, 1e-6, k.rms_norm), (rnd(N, H), rnd(H) + 1)),
+                "linear": (lambda x, w, k, c, t: _Linear.apply(x, w, k.linear), (rnd(N, H), rnd(512, H, scale=0.02))),
+                "rope": (lambda q, kk, k, c, t: torch.cat(_Rope.apply(q, kk, c[1], c[2], 128, k.rope), -1),
                          (rnd(N, 12 * 128), rnd(N, 2 * 128))),
-                "silu_and_mul": (lambda x, k: _SiluAndMul.apply(x, k.silu_and_mul), (rnd(N, 2 * 512),)),
-                "attention fa3": (lambda q, kk, v, k: _Attention.apply(q, kk, v, pack, 128 ** -0.5, k.attention),
+                "silu_and_mul": (lambda x, k, c, t: _SiluAndMul.apply(x, k.silu_and_mul), (rnd(N, 2 * 512),)),
+                "attention fa3": (lambda q, kk, v, k, c, t: _Attention.apply(q, kk, v, c[0], 128 ** -0.5, k.attention),
                                   (rnd(N, 12, 128), rnd(N, 2, 128), rnd(N, 2, 128))),
-                "attention triton": (lambda q, kk, v, k: _Attention.apply(q, kk, v, pack, 64 ** -0.5, k.attention),
+                "attention triton": (lambda q, kk, v, k, c, t: _Attention.apply(q, kk, v, c[0], 64 ** -0.5,
+                                                                                k.attention),
                                      (rnd(N, 14, 64), rnd(N, 2, 64), rnd(N, 2, 64))),
-                "token log-prob": (lambda x, k: _TokenLogprob.apply(x, t, k.token_logprobs),
+                "token log-prob": (lambda x, k, c, t: _TokenLogprob.apply(x, t, k.token_logprobs),
                                    (torch.randn(N, 1000, generator=g, device=dev),)),
             }
             for name, (fn, inputs) in cases.items():
-                kernels = vt if "triton" in name else vk
                 xs = [x.detach().requires_grad_() for x in inputs]
-                out = fn(*xs, kernels)
+                out = fn(*xs, vt if "triton" in name else vk, ctx["cuda"], targets)
                 gout = torch.randn(out.shape, generator=g, device=dev).to(out.dtype)
                 grads = torch.autograd.grad(out, xs, gout)
-                refs = [x.detach().double().requires_grad_() for x in inputs]
-                ref_out = fn(*refs, tk)
-                ref_grads = torch.autograd.grad(ref_out, refs, gout.double())
-                cos = min(float(torch.nn.functional.cosine_similarity(a.double().flatten(), b.flatten(), dim=0))
+                refs = [x.detach().cpu().double().requires_grad_() for x in inputs]
+                ref_out = fn(*refs, TorchKernels(), ctx["cpu"], targets.cpu())
+                ref_grads = torch.autograd.grad(ref_out, refs, gout.cpu().double())
+                cos = min(float(torch.nn.functional.cosine_similarity(a.cpu().double().flatten(), b.flatten(), dim=0))
                           for a, b in zip(grads, ref_grads))
                 rows.add(f"backward {name}: gradient cosine vs fp64 autograd", cos > 0.999, round(1 - cos, 8),
                          f"cosine {cos:.6f} (16-bit forward: > 0.999 expected)")

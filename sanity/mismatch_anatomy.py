@@ -501,8 +501,8 @@ def anatomy_markdown(res: dict) -> str:
             f"{c['max_response_len']} tokens, temperature 1; model {c['model']}; vLLM "
             f"{'batch-invariant (exact mode)' if c['exact'] else 'default mode'}, "
             f"{'eager' if c['vllm_eager'] else 'compiled with CUDA graphs'}; the trainer: PolicyModel in the same "
-            "precision, unsharded (FSDP2 computes the same: it only gathers the same weights). d = log-prob of the later "
-            "side minus the earlier, per token.", ""]
+            "precision, unsharded (FSDP2 computes the same: it only gathers the same weights). d = log-prob of the "
+            "later side minus the earlier, per token.", ""]
     for p, r in res["precisions"].items():
         text += [f"## {p}", ""]
         if r.get("ops"):

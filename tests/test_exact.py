@@ -258,7 +258,8 @@ def test_probe_comparisons_and_rows(tmp_path):
     old = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
     mu = [torch.tensor([-1.0, -2.5]), torch.tensor([-0.5])]
     c = compare_logprobs(old, mu)
-    assert c["tokens"] == 3 and c["equal"] == 2 and c["max_abs_diff"] == 0.5 and c["first_diffs"] == [[0, 1, -2.0, -2.5]]
+    assert c["tokens"] == 3 and c["equal"] == 2 and c["max_abs_diff"] == 0.5
+    assert c["first_diffs"] == [[0, 1, -2.0, -2.5]]
     rows = Rows(str(tmp_path / "rows.jsonl"), variant="v", model="m", precision="bf16")
     rows.compare("same", torch.ones(3, dtype=torch.float16), torch.ones(3, dtype=torch.float16))
     rows.compare("one off", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
