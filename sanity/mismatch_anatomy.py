@@ -81,8 +81,9 @@ class Args:
     op_sequences: int = 4
     """sequences compared op by op, (i) (each holds every layer's activations of both sides in GPU memory)"""
     exact: bool = False
-    """vLLM in batch-invariant mode as grpo.py --exact runs it (process-wide), and the trainer's exact forward
-    (common/exact.py) measured beside its default one"""
+    """vLLM in batch-invariant mode as grpo.py --exact runs it, and the trainer's exact forward (common/exact.py)
+    measured beside its default one. The mode is process-wide: the default forward then runs with aten's log_softmax,
+    softmax, mean and bmm replaced by vLLM's Triton kernels and TF32 off (docs/exact.md)"""
     vllm_eager: bool = True
     """run vLLM eager (the hooks of (i) need it); False: as grpo.py's sampler (compiled, CUDA graphs; with --exact,
     --exact-vllm-graphs), and (i) is skipped"""
