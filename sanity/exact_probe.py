@@ -20,7 +20,8 @@ Variants:
   (a compiled engine runs no hooks).
 - eager-v2-nopatch: as eager-v2 without the RMSNorm patch (vLLM's own C++ fused add + RMSNorm): shows what the patch
   is for. eager-v1: Model Runner V1 (its log-softmax), the trainer calling that one.
-The secondary variants (nopatch, v1) run on the first model and precision only, unless --full.
+The secondary variants (graphs, nopatch, v1) run on the first model and precision only, unless --full. --parallel
+processes run at once (a probe's numbers do not depend on what else runs on the GPU).
 
     python sanity/exact_probe.py                                  # random 2-layer models of the 1.5B and 0.5B shapes
     python sanity/exact_probe.py --model DIR --precisions bf16    # a real model
@@ -45,7 +46,7 @@ import tyro
 
 VARIANTS = {"kernels": None, "eager-v2": {}, "graphs-v2": {"graphs": True},
             "eager-v2-nopatch": {"rmsnorm_patch": False}, "eager-v1": {"runner": "v1"}}
-SECONDARY = ("eager-v2-nopatch", "eager-v1")
+SECONDARY = ("graphs-v2", "eager-v2-nopatch", "eager-v1")
 # random 2-layer Qwen2 models with the layer shapes of Qwen2.5-1.5B (head_dim 128: FA3) and -0.5B (64: Triton)
 SHAPES = {"hd128": dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
                         tie_word_embeddings=False),
@@ -72,6 +73,8 @@ class Args:
     """run the secondary variants on every model and precision too"""
     timeout_s: int = 600
     """time limit of each variant's process"""
+    parallel: int = 3
+    """processes run at once (each holds a small engine and model: a few GiB of GPU memory)"""
     job: str | None = None
     """(internal) run one job in this process: variant:model_dir:name:precision"""
     rows_file: str | None = None
@@ -329,7 +332,7 @@ def engine_probes(rows_path: str, variant: str, model_dir: str, name: str, preci
     setup_distributed()
     t0 = time.perf_counter()
     try:
-        sampler = VLLMSampler(model_dir, precision, seed=0, max_model_len=2048, gpu_memory_utilization=0.3,
+        sampler = VLLMSampler(model_dir, precision, seed=0, max_model_len=2048, gpu_memory_utilization=0.15,
                               sleep_level=0, kv_cache_gib=2.0, exact=plan)
     except Exception as e:  # noqa: BLE001
         rows.add("engine start", False, None, one_line(e))
@@ -523,26 +526,43 @@ def main(args: Args) -> list[dict]:
             jobs.append(f"{v}:{model_dir}:{name}:{p}")
     rows_file = os.path.abspath(os.path.join(args.out_dir, "rows.jsonl"))
     open(rows_file, "w").close()
-    for job in jobs:
-        v, _, name, p = job.split(":")
-        log = os.path.join(args.out_dir, "logs", f"{v}_{name}_{p.replace(',', '_')}.log")
-        t0 = time.perf_counter()
-        with open(log, "w") as f:
-            try:
-                rc = subprocess.run([sys.executable, os.path.abspath(__file__), "--job", job, "--rows-file",
-                                     rows_file], stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout_s,
-                                    cwd=ROOT).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-        if rc != 0:
-            with open(log) as f:
-                tail = [ln.strip() for ln in f.read().splitlines() if ln.strip()][-1:] or [""]
-            Rows(rows_file, variant=v, model=name, precision=p).add("process", False, None,
-                                                                    f"exit {rc}: {tail[0][:250]} (log: {log})")
-        print(f"[probe] {v} {name} {p}: {'ok' if rc == 0 else f'exit {rc}'} in {time.perf_counter() - t0:.0f} s",
-              flush=True)
+    running, pending = [], list(jobs)
+    while running or pending:
+        while pending and len(running) < max(1, args.parallel):
+            job = pending.pop(0)
+            v, _, name, p = job.split(":")
+            log = os.path.join(args.out_dir, "logs", f"{v}_{name}_{p.replace(',', '_')}.log")
+            f = open(log, "w")
+            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--job", job, "--rows-file",
+                                     rows_file], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+            running.append((proc, f, job, log, time.perf_counter()))
+        time.sleep(1)
+        for item in list(running):
+            proc, f, job, log, t0 = item
+            rc = proc.poll()
+            if rc is None and time.perf_counter() - t0 > args.timeout_s:
+                proc.kill()
+                rc = f"timeout ({args.timeout_s} s)"
+            if rc is None:
+                continue
+            running.remove(item)
+            f.close()
+            v, _, name, p = job.split(":")
+            if rc != 0:
+                with open(log) as lf:
+                    tail = [ln.strip() for ln in lf.read().splitlines() if ln.strip()][-1:] or [""]
+                Rows(rows_file, variant=v, model=name, precision=p).add("process", False, None,
+                                                                        f"exit {rc}: {tail[0][:250]} (log: {log})")
+            print(f"[probe] {v} {name} {p}: {'ok' if rc == 0 else f'exit {rc}'} in "
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)
     with open(rows_file) as f:
         rows = [json.loads(ln) for ln in f if ln.strip()]
+    # the jobs' order, each job's rows in the order it wrote them (jobs ran side by side)
+    rank = {tuple(j.split(":")[i] for i in (0, 2, 3)): k for k, j in enumerate(jobs)}
+    first = {}
+    for k, j in enumerate(jobs):
+        first.setdefault(j.split(":")[0], k)
+    rows.sort(key=lambda r: rank.get((r["variant"], r["model"], r["precision"]), first.get(r["variant"], len(jobs))))
     with open(os.path.join(args.out_dir, "probe.json"), "w") as f:
         json.dump(rows, f, indent=1)
     text = table(rows)
