@@ -891,6 +891,12 @@ def bench_vllm_generate(res: Results, args, model_dir):
 def vllm_generate_child(spec: dict) -> None:
     import numpy as np
     from transformers import AutoTokenizer
+    exact = None
+    if spec.get("exact"):  # (batch-invariant mode must be on before vLLM is imported)
+        from common.exact import plan_for_run, prepare_vllm_process
+        exact = plan_for_run(spec["model"], train_precision=spec["precision"], rollout_precision=spec["precision"],
+                             sampler="vllm", vllm_tp=1, top_p=1.0)
+        prepare_vllm_process(exact)
     from vllm.inputs import TokensPrompt
 
     from common.data import encode_problems, load_problems
@@ -901,11 +907,6 @@ def vllm_generate_child(spec: dict) -> None:
                                spec["data"])
     order = np.random.default_rng([spec["seed"], 0]).permutation(len(problems))  # grpo.py's first epoch
     # rank 0 of grpo.py's engine: the same seed (stream_seed), length limit and memory share, sleep level 1
-    exact = None
-    if spec.get("exact"):
-        from common.exact import plan_for_run
-        exact = plan_for_run(spec["model"], train_precision=spec["precision"], rollout_precision=spec["precision"],
-                             sampler="vllm", vllm_tp=1, top_p=1.0)
     sampler = make_sampler("vllm", spec["model"], spec["precision"], device, spec["seed"], 0,
                            spec["max_prompt_len"] + spec["max_response_len"], 0, 1, spec["gpu_memory_utilization"], 1,
                            exact=exact)
