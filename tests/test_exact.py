@@ -179,8 +179,9 @@ def test_fixed_order_add_norm_and_its_patch():
 
 def test_batch_invariant_mode_must_come_before_vllm_is_imported(monkeypatch):
     plan = ExactPlan(head_dim=128, attention="FLASH_ATTN")
-    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    for name in ("VLLM_BATCH_INVARIANT", "VLLM_USE_V2_MODEL_RUNNER"):  # (setenv first: restored after the test,
+        monkeypatch.setenv(name, "")  # so that later tests' vLLM engines do not start in batch-invariant mode)
+        monkeypatch.delenv(name)
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
     with pytest.raises(RuntimeError, match="imported before"):
         prepare_vllm_process(plan)

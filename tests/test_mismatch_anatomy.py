@@ -185,3 +185,6 @@ def test_probe_and_exact_capture_run_on_cpu_with_vllm(tmp_path, process_group, m
                     assert (t[:n] - v[key][:n]).abs().max() < 1e-4, key
     finally:
         sampler.shutdown()
+        if not torch.distributed.is_initialized():  # (vLLM's shutdown takes the process group down: later tests
+            from common.dist import setup_distributed  # in this process need one, as the session made it)
+            setup_distributed()
