@@ -28,7 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 # CPU runs on 2 shared cores 3x slower (docs/results.md, "On a CPU")
 import torch
 
-from common import batches, cli, logprobs, metrics, preflight, rundir
+from common import batches, cli, exact, logprobs, metrics, preflight, rundir
 from common.data import load_task
 from common.dist import print0, seed_everything, setup_distributed
 from common.fsdp import iter_full_state, load_policy
@@ -182,13 +182,14 @@ def main(args: Args) -> None:
     # --- models: the trainer (FSDP2, fp32 master weights) and the sampler (its own copy, rollout precision)
     weights_path = run.resume_dir or model_path
     model = load_policy(weights_path, train_dtype, device, infra.gradient_checkpointing,
-                        cpu_offload=infra.cpu_offload, compile=infra.compile)
+                        cpu_offload=infra.cpu_offload, compile=infra.compile and not infra.exact)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     scaler = LossScaler(enabled=train_dtype == torch.float16, max_consecutive_skips=infra.max_skipped_steps)
     monitor = metrics.MismatchMonitor(infra.kl_warn_factor, infra.kl_baseline_steps)  # early warning of collapse
     sampler = make_sampler(infra, weights_path, rollout_dtype, device, args.seed, rank,
                            args.max_prompt_len + args.max_response_len)
+    exact.attach(model, sampler)  # --exact: the trainer's forward on the engine's kernels (docs/exact.md)
     reward = Reward(args.reward, args.truncated_reward, tokenizer, device, progress=rank == 0)
     print0(f"[setup] {world_size} rank(s) on {device.type}; train {args.train_precision or args.precision}, rollout "
            f"{args.rollout_precision or args.precision}; {sum(p.numel() for p in params) / 1e6:.1f}M parameters")

@@ -103,6 +103,11 @@ def parse_args(argv=None):
     ap.add_argument("--compile", choices=["on", "off"], default="on",
                     help="torch.compile the decoder layers (the scripts' --compile; GPU only)")
     ap.add_argument("--iters", type=int, default=3, help="timed trainer steps (after one warm-up step)")
+    ap.add_argument("--exact", action="store_true",
+                    help="trainer and vllm_generate in exact mode (common/exact.py, docs/exact.md): the trainer's exact "
+                         "forward (a vLLM engine in batch-invariant mode starts first for what it reads from it, then "
+                         "stops; the process stays in that mode: run these sections on their own), the engine in "
+                         "batch-invariant mode. rl_step: --rl-runs \"default:\" \"exact:--exact\"")
     ap.add_argument("--profile", action="store_true",
                     help="trainer and vllm_generate: one more step (batch) under torch.profiler, after the timed ones: "
                          "the GPU's busy time goes into the results, the operator tables into <name>_profile_*.txt")
@@ -421,13 +426,17 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
     recompute; attention's own FLOPs are not counted."""
     res.data.pop("trainer_ratio", None)
     res.start("trainer", [])
-    compiled = args.compile == "on" and device.type == "cuda"  # (load_policy compiles on a GPU only)
     V = SHAPES[args.shape]["vocab_size"]
     for precision in args.precisions:
         model = optimizer = params = None
         try:
+            exact = exact_engine_facts(model_dir, precision) if args.exact else None
+            compiled = args.compile == "on" and device.type == "cuda" and exact is None  # (exact: never compiled)
             model = load_policy(model_dir, DTYPES[precision], device, args.gradient_checkpointing == "on",
                                 compile=compiled)
+            if exact is not None:
+                from common.exact import enable_exact
+                enable_exact(model, *exact)
             params = list(model.parameters())
             optimizer = torch.optim.AdamW(params, lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0)  # grpo.py's
             scaler = LossScaler(enabled=precision == "fp16")
@@ -440,7 +449,7 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
                 row = {"precision": precision, "prompt": args.prompt_len, "response": resp_len,
                        "seqs": args.num_seqs, "tokens": tokens, "micro_batches": n_micro,
                        "micro_batch_tokens": args.micro_batch_tokens, "grad_ckpt": args.gradient_checkpointing,
-                       "compile": "on" if compiled else "off", "ranks": world_size}
+                       "compile": "on" if compiled else "off", "ranks": world_size, "exact": args.exact}
 
                 def step():
                     return trainer_step(model, params, optimizer, scaler, prompts, responses, args, V - 1, device,
@@ -490,6 +499,22 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
         by = {r["precision"]: r["step_s"] for r in res.data["trainer"] if "step_s" in r and r["response"] == resp_len}
         if "fp16" in by and "bf16" in by:
             res.add("trainer_ratio", {"response": resp_len, "fp16_over_bf16": round(by["fp16"] / by["bf16"], 3)})
+
+
+def exact_engine_facts(model_dir: str, precision: str):
+    """(plan, facts) of exact mode for the trainer alone: a vLLM engine in batch-invariant mode, started for what the
+    exact forward reads from it (RoPE cache, page size, model runner) and shut down again."""
+    from common.exact import plan_for_run
+    from common.vllm_sampler import VLLMSampler
+    plan = plan_for_run(model_dir, train_precision=precision, rollout_precision=precision, sampler="vllm", vllm_tp=1,
+                        top_p=1.0)
+    sampler = VLLMSampler(model_dir, DTYPES[precision], seed=0, max_model_len=4096, gpu_memory_utilization=0.2,
+                          sleep_level=0, exact=plan)
+    facts = sampler.exact_facts
+    sampler.shutdown()
+    if not dist.is_initialized():  # (vLLM's shutdown may take the process group down; FSDP2 needs it)
+        setup_distributed()
+    return plan, facts
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -848,7 +873,7 @@ def bench_vllm_generate(res: Results, args, model_dir):
     spec = {"kind": "generate", "model": model, "data": data, "template": args.rl_prompt_template, "seed": args.seed,
             "precision": args.precisions[0], "num_prompts": args.rl_num_prompts, "group_size": args.rl_group_size,
             "max_prompt_len": args.rl_max_prompt_len, "max_response_len": args.rl_max_response_len,
-            "steps": args.rl_steps, "gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+            "steps": args.rl_steps, "gpu_memory_utilization": args.vllm_gpu_memory_utilization, "exact": args.exact,
             "profile": f"{res.path}_profile_vllm_generate.txt" if args.profile and res.enabled else None}
 
     def on_line(line):
@@ -864,6 +889,12 @@ def bench_vllm_generate(res: Results, args, model_dir):
 def vllm_generate_child(spec: dict) -> None:
     import numpy as np
     from transformers import AutoTokenizer
+    exact = None
+    if spec.get("exact"):  # (batch-invariant mode must be on before vLLM is imported)
+        from common.exact import plan_for_run, prepare_vllm_process
+        exact = plan_for_run(spec["model"], train_precision=spec["precision"], rollout_precision=spec["precision"],
+                             sampler="vllm", vllm_tp=1, top_p=1.0)
+        prepare_vllm_process(exact)
     from vllm.inputs import TokensPrompt
 
     from common.data import encode_problems, load_problems
@@ -875,7 +906,8 @@ def vllm_generate_child(spec: dict) -> None:
                                spec["data"])
     order = np.random.default_rng([spec["seed"], 0]).permutation(len(problems))  # grpo.py's first epoch
     # rank 0 of grpo.py's engine: the same seed (stream_seed), length limit and memory share, sleep level 1
-    flags = Infra(sampler="vllm", vllm_gpu_memory_utilization=spec["gpu_memory_utilization"], vllm_sleep_level=1)
+    flags = Infra(sampler="vllm", vllm_gpu_memory_utilization=spec["gpu_memory_utilization"], vllm_sleep_level=1,
+                  exact=bool(spec.get("exact")))
     sampler = make_sampler(flags, spec["model"], DTYPES[spec["precision"]], device, spec["seed"], 0,
                            spec["max_prompt_len"] + spec["max_response_len"])
     P, G = spec["num_prompts"], spec["group_size"]

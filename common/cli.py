@@ -11,7 +11,8 @@ from typing import Literal
 import tyro
 
 from common.dist import cleanup_distributed
-from common.precision import TrainingFault
+from common.exact import plan_for_run
+from common.precision import TrainingFault, precision_name, resolve_precisions
 from common.preflight import check_model_dir
 from common.rewards import check_reward
 from common.sampler import resolve_sampler
@@ -45,6 +46,13 @@ class Infra:
     vllm_sleep_level: Literal[0, 1, 2] = 1
     """vLLM sleep mode while the trainer trains (GPU only): 1 offloads the weights to CPU and frees the KV cache, 2
     also discards the weights (reloaded from the trainer before sampling), 0 keeps everything"""
+    exact: bool = False
+    """exact on-policy log-probs (docs/exact.md): vLLM runs in its batch-invariant mode and the trainer's forward calls
+    the same kernels op by op on unpadded sequences, so old_logp equals mu bit for bit. Qwen2 models, vLLM 0.25.1,
+    --vllm-tp 1, a Hopper GPU, the same fp16 or bf16 on both sides; --compile has no effect then"""
+    exact_vllm_graphs: bool = False
+    """with --exact: vLLM keeps torch.compile and CUDA graphs (every custom op on its own kernel) instead of running
+    eager: faster sampling, bitwise parity as checked by sanity/exact_probe.py"""
     # --- memory and speed
     gradient_checkpointing: bool = True
     """recompute decoder layers' activations in the backward pass"""
@@ -217,6 +225,11 @@ def validate(args, world_size: int, **ranges) -> None:
         raise FileNotFoundError(f"--resume {infra.resume!r}: no such directory")
     if infra.overwrite and infra.resume is not None:
         raise ValueError("--overwrite removes the run that --resume would continue: give one or the other")
+    if infra.exact:  # refused here, before a model loads, where exact mode is not supported
+        train, rollout = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
+        plan_for_run(args.model, train_precision=precision_name(train), rollout_precision=precision_name(rollout),
+                     sampler=resolve_sampler(infra.sampler)[0], vllm_tp=infra.vllm_tp, top_p=args.top_p,
+                     graphs=infra.exact_vllm_graphs)
 
 
 # ----------------------------------------------------------------------------------------------------------------

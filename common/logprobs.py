@@ -17,16 +17,16 @@ def _chunk_logprobs(hidden_NH, weight_VH, targets_N, temperature: float, with_en
 
 
 def chunked_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, temperature: float,
-                     chunk_size: int, with_entropy: bool = False):
-    """log softmax(hidden @ weight.T / temperature)[target] in fp32, computed `chunk_size` tokens at a time.
-    Returns (logp_N, entropy_N or None)."""
+                     chunk_size: int, with_entropy: bool = False, chunk_fn=_chunk_logprobs):
+    """log softmax(hidden @ weight.T / temperature)[target] in fp32, computed `chunk_size` tokens at a time by
+    `chunk_fn` (exact mode passes its own, common/exact.py). Returns (logp_N, entropy_N or None)."""
     logps, ents = [], []
     for i in range(0, hidden_NH.shape[0], chunk_size):
         args = (hidden_NH[i:i + chunk_size], weight_VH, targets_N[i:i + chunk_size], temperature, with_entropy)
         if torch.is_grad_enabled() and hidden_NH.requires_grad:
-            lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+            lp, ent = checkpoint(chunk_fn, *args, use_reentrant=False)
         else:
-            lp, ent = _chunk_logprobs(*args)
+            lp, ent = chunk_fn(*args)
         logps.append(lp)
         ents.append(ent)
     if not logps:
@@ -37,19 +37,27 @@ def chunked_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N
 
 class PolicyModel(nn.Module):
     """A Hugging Face causal LM whose forward returns the log-probs of the response tokens; the FSDP2 root
-    (load_sharded). `self.lm` keeps the Hugging Face names for checkpoints and the weight sync."""
+    (load_sharded). `self.lm` keeps the Hugging Face names for checkpoints and the weight sync. `self.exact`: None,
+    or the exact forward (common.exact.enable_exact) that replaces the hidden states and the head."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
+        self.exact = None
 
     def forward(self, input_ids_BL, attention_mask_BL, response_mask_BT, temperature: float, chunk_size: int,
                 with_entropy: bool = False):
         """input_ids_BL: prompt + response, right-padded. response_mask_BT: 1 on the response tokens, left-aligned
         (row b holds response b's tokens at 0..len_b-1). Returns (logp_BT, entropy_BT or None), fp32, 0 off-mask."""
-        hidden_NH, targets_N = response_hidden(self.lm, input_ids_BL, attention_mask_BL, response_mask_BT)
+        if self.exact is None:
+            hidden_NH, targets_N = response_hidden(self.lm, input_ids_BL, attention_mask_BL, response_mask_BT)
+            chunk_fn = _chunk_logprobs
+        else:
+            hidden_NH, targets_N = self.exact.response_hidden(self.lm, input_ids_BL, attention_mask_BL,
+                                                              response_mask_BT)
+            chunk_fn = self.exact.chunk_logprobs
         logp_N, ent_N = chunked_logprobs(hidden_NH, self.lm.lm_head.weight, targets_N, temperature, chunk_size,
-                                         with_entropy)
+                                         with_entropy, chunk_fn)
         logp_BT = torch.zeros(response_mask_BT.shape, dtype=torch.float32, device=logp_N.device)
         logp_BT = logp_BT.masked_scatter(response_mask_BT, logp_N)  # row-major order matches on both sides
         ent_BT = None

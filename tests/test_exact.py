@@ -1,0 +1,282 @@
+"""Exact mode on a CPU (common/exact.py; docs/exact.md): what is refused and how (one line, exit 2 through grpo.py),
+the packing of right-padded rows into vLLM's layout, the backward of every op against its forward (gradcheck, fp64),
+and the whole exact forward wired through an FSDP2 PolicyModel with torch reference kernels standing in for vLLM's:
+the same log-probs, entropy and gradients as the default forward up to fp32 rounding. vLLM's own kernels and the
+bitwise equality run on a GPU: tests/test_exact_gpu.py, sanity/exact_probe.py."""
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from common.exact import (PINNED_VLLM, SUPPORTED, ExactForward, ExactPlan, Pack, TorchKernels, _Attention, _Linear,
+                          _RMSNorm, _Rope, _SiluAndMul, _Temperature, _TokenLogprob, check_exact, engine_kwargs,
+                          fused_add_rms_norm_fixed, install_rmsnorm_patch, padded_sdpa, paged, prepare_vllm_process,
+                          remove_rmsnorm_patch, rope_cache, verify_engine)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN2 = {"model_type": "qwen2", "hidden_act": "silu", "hidden_size": 1536, "num_attention_heads": 12,
+         "num_key_value_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+         "use_sliding_window": False}
+OK = dict(train_precision="bf16", rollout_precision="bf16", sampler="vllm", vllm_tp=1, top_p=1.0,
+          vllm_version=PINNED_VLLM, capability=(9, 0))
+
+
+def test_supported_configurations_get_their_attention_backend():
+    assert check_exact(QWEN2, **OK) == ExactPlan(head_dim=128, attention="FLASH_ATTN")
+    small = {**QWEN2, "hidden_size": 896, "num_attention_heads": 14, "head_dim": 64}
+    assert check_exact(small, **{**OK, "train_precision": "fp16", "rollout_precision": "fp16"}).attention == \
+        "TRITON_ATTN"
+    assert check_exact(QWEN2, **OK, graphs=True).graphs
+
+
+@pytest.mark.parametrize("change, config_change, says", [
+    ({"sampler": "hf"}, {}, "--sampler hf"),
+    ({"vllm_version": None}, {}, "not installed"),
+    ({"vllm_version": "0.32.0"}, {}, "vLLM 0.32.0 is installed"),
+    ({"capability": None}, {}, "no CUDA GPU"),
+    ({"capability": (8, 0)}, {}, "compute capability 8.0"),
+    ({"capability": (10, 0)}, {}, "compute capability 10.0"),
+    ({"vllm_tp": 2}, {}, "--vllm-tp 2"),
+    ({"train_precision": "fp16"}, {}, "train precision fp16 and rollout precision bf16"),
+    ({"train_precision": "fp32", "rollout_precision": "fp32"}, {}, "in fp32"),
+    ({"top_p": 0.95}, {}, "top-p 0.95"),
+    ({}, {"model_type": "llama"}, "'llama'"),
+    ({}, {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({}, {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE 'yarn'"),
+    ({}, {"use_sliding_window": True}, "sliding window"),
+    ({}, {"head_dim": 96}, "head_dim 96 differs"),
+    ({}, {"hidden_size": 1280, "num_attention_heads": 16}, "head_dim 80"),
+])
+def test_unsupported_is_refused_in_one_line_saying_what_is_supported(change, config_change, says):
+    with pytest.raises(ValueError) as e:
+        check_exact({**QWEN2, **config_change}, **{**OK, **change})
+    msg = str(e.value)
+    assert says in msg and msg.endswith(SUPPORTED) and "\n" not in msg, msg
+
+
+def test_grpo_refuses_exact_before_loading_a_model(tmp_path):
+    """grpo.py --exact where it cannot run (here: the fallback sampler): one line on stderr, exit status 2."""
+    p = subprocess.run([sys.executable, "grpo.py", "--exact", "--sampler", "hf", "--num-steps", "1",
+                        "--run-dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("grpo.py: error: --exact needs the vLLM sampler"), p.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Packing
+
+def _rows():
+    from common.logprobs import collate
+    prompts = [[4, 5, 6], [7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    responses = [[20, 21, 22, 23, 24], [25, 26], [27]]
+    return prompts, responses, collate(prompts, responses, 0, "cpu")
+
+
+def test_pack_lays_rows_out_one_after_another_with_their_pages():
+    prompts, responses, (ids, attn, rmask) = _rows()
+    pack = Pack(ids, attn, rmask, page_size=4)
+    rows = [p + r for p, r in zip(prompts, responses)]
+    assert pack.ids_N.tolist() == [t for r in rows for t in r]
+    assert pack.positions_N.tolist() == [j for r in rows for j in range(len(r))]
+    assert pack.lengths == [8, 3, 11] and pack.max_len == 11
+    assert pack.cu_seqlens.tolist() == [0, 8, 11, 22] and pack.cu_seqlens.dtype == torch.int32
+    assert pack.seq_lens.tolist() == [8, 3, 11] and pack.seq_lens.dtype == torch.int32
+    # 2 + 1 + 3 pages of 4 tokens, each row on its own consecutive pages (unused entries 0)
+    assert pack.num_pages == 6 and pack.block_table.tolist() == [[0, 1, 0], [2, 0, 0], [3, 4, 5]]
+    x = torch.arange(22.0)[:, None, None].expand(22, 2, 3).contiguous()  # N x heads x dim, the token's index
+    pages = paged(x, pack)
+    for b, row in enumerate(rows):
+        for j in range(len(row)):
+            page, slot = pack.block_table[b, j // 4], j % 4
+            assert (pages[page, slot] == pack.cu_seqlens[b] + j).all()
+    # each response token, in row-major order as response_hidden gives them, and the position that predicts it
+    assert pack.targets_N.tolist() == [t for r in responses for t in r]
+    assert (pack.ids_N[pack.pred_N + 1] == pack.targets_N).all()
+    assert (pack.row_N == torch.tensor([0] * 8 + [1] * 3 + [2] * 11)).all()
+
+
+def test_pack_targets_match_the_default_response_hidden(tiny_model_dir):
+    """The exact path's targets are response_hidden's, in its order (the log-probs are scattered back with the
+    response mask by the same code)."""
+    from transformers import AutoModelForCausalLM
+    from common.logprobs import response_hidden
+    _, _, (ids, attn, rmask) = _rows()
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    _, targets = response_hidden(lm, ids, attn, rmask)
+    assert Pack(ids, attn, rmask).targets_N.tolist() == targets.tolist()
+
+
+def test_padded_sdpa_is_causal_attention_of_each_row_alone():
+    _, _, (ids, attn, rmask) = _rows()
+    pack = Pack(ids, attn, rmask)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(22, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    got = padded_sdpa(q, k, v, pack, 0.3)
+    for b in range(pack.batch):
+        a, e = int(pack.cu_seqlens[b]), int(pack.cu_seqlens[b + 1])
+        qb, kb, vb = q[a:e].transpose(0, 1), k[a:e].repeat_interleave(2, 1).transpose(0, 1), \
+            v[a:e].repeat_interleave(2, 1).transpose(0, 1)
+        s = qb @ kb.transpose(1, 2) * 0.3
+        s = s.masked_fill(torch.ones(e - a, e - a, dtype=torch.bool).triu(1), float("-inf"))
+        want = (s.softmax(-1) @ vb).transpose(0, 1)
+        torch.testing.assert_close(got[a:e], want, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The ops' backward passes against their forwards
+
+def test_every_op_backward_matches_its_forward():
+    """torch.autograd.gradcheck (fp64, the reference kernels): each Function's hand-written backward is the
+    derivative of its forward."""
+    K = TorchKernels
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    gradcheck = torch.autograd.gradcheck
+    assert gradcheck(lambda x, w: _RMSNorm.apply(x, w, 1e-6, K.rms_norm), (r(5, 8), r(8)))
+    assert gradcheck(lambda x, w: _Linear.apply(x, w, K.linear), (r(5, 8), r(3, 8)))
+    cache = rope_cache(8, 32, 10000.0, torch.float64)
+    positions = torch.tensor([0, 3, 1, 7, 31])
+    assert gradcheck(lambda q, k: _Rope.apply(q, k, positions, cache, 8, K.rope), (r(5, 16), r(5, 8)))
+    assert gradcheck(lambda x: _SiluAndMul.apply(x, K.silu_and_mul), (r(5, 8),))
+    assert gradcheck(lambda x: _Temperature.apply(x, 0.7, K.temperature), (r(5, 8),))
+    targets = torch.tensor([1, 0, 7, 3, 3])
+    assert gradcheck(lambda x: _TokenLogprob.apply(x, targets, K.token_logprobs), (r(5, 8),))
+    _, _, (ids, attn, rmask) = _rows()
+    pack = Pack(ids, attn, rmask)
+    assert gradcheck(lambda q, k, v: _Attention.apply(q, k, v, pack, 0.35, K.attention),
+                     (r(22, 4, 3), r(22, 2, 3), r(22, 2, 3)))
+
+
+def test_fixed_order_add_norm_and_its_patch():
+    """vLLM's patched RMSNorm returns (norm(x + r), x + r), out of place (the C++ kernel it replaces writes into its
+    inputs), and leaves the residual-free branch alone; installing twice wraps once; removing restores it."""
+    calls = []
+
+    def rms(x, w, eps=1e-6, residual=None):
+        calls.append(residual is None)
+        assert residual is None, "the original is only called without a residual"
+        return TorchKernels.rms_norm(x, w, eps)
+    module = types.SimpleNamespace(rms_norm_batch_invariant=rms)
+    install_rmsnorm_patch(module)
+    install_rmsnorm_patch(module)
+    patched = module.rms_norm_batch_invariant
+    assert patched.exact_original is rms
+    x, res, w = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8)
+    x0, res0 = x.clone(), res.clone()
+    normed, s = patched(x, w, 1e-5, residual=res)
+    assert torch.equal(s, x0 + res0) and torch.equal(normed, TorchKernels.rms_norm(x0 + res0, w, 1e-5))
+    assert torch.equal(x, x0) and torch.equal(res, res0)
+    assert torch.equal(patched(x, w, 1e-5), TorchKernels.rms_norm(x, w, 1e-5))
+    assert (normed, s)[1] is not x and fused_add_rms_norm_fixed(TorchKernels.rms_norm, x, res, w, 1e-5)[1].equal(s)
+    remove_rmsnorm_patch(module)
+    assert module.rms_norm_batch_invariant is rms
+
+
+def test_batch_invariant_mode_must_come_before_vllm_is_imported(monkeypatch):
+    plan = ExactPlan(head_dim=128, attention="FLASH_ATTN")
+    for name in ("VLLM_BATCH_INVARIANT", "VLLM_USE_V2_MODEL_RUNNER"):  # (setenv first: restored after the test,
+        monkeypatch.setenv(name, "")  # so that later tests' vLLM engines do not start in batch-invariant mode)
+        monkeypatch.delenv(name)
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    with pytest.raises(RuntimeError, match="imported before"):
+        prepare_vllm_process(plan)
+    monkeypatch.delitem(sys.modules, "vllm")
+    for name in [m for m in sys.modules if m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    prepare_vllm_process(ExactPlan(head_dim=128, attention="FLASH_ATTN", runner="v1"))
+    assert os.environ["VLLM_BATCH_INVARIANT"] == "1" and os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+
+
+def test_engine_arguments_and_the_engine_check():
+    plan = ExactPlan(head_dim=128, attention="FLASH_ATTN")
+    assert engine_kwargs(plan) == {"attention_config": {"backend": "FLASH_ATTN", "flash_attn_version": 3},
+                                   "enforce_eager": True}
+    graphs = engine_kwargs(ExactPlan(head_dim=64, attention="TRITON_ATTN", graphs=True))
+    assert graphs == {"attention_config": {"backend": "TRITON_ATTN"}, "enforce_eager": False,
+                      "compilation_config": {"custom_ops": ["all"]}}
+    facts = {"batch_invariant": True, "runner": "v2", "attention_impl": "FlashAttentionImpl", "fa_version": 3,
+             "op_forwards": {"RMSNorm": "forward_cuda", "SiluAndMul": "forward_cuda"}, "enforce_eager": True,
+             "rope_cache": torch.zeros(1)}
+    verify_engine(plan, facts)
+    for bad, says in [({"runner": "v1"}, "model runner v1"), ({"fa_version": 2}, "FlashAttention 2"),
+                      ({"batch_invariant": False}, "batch-invariant mode is off"),
+                      ({"op_forwards": {"RMSNorm": "forward_native"}}, "not on their vLLM kernels: RMSNorm"),
+                      ({"attention_impl": "TritonAttentionImpl"}, "attention TritonAttentionImpl"),
+                      ({"window": (4095, 0)}, "attention window")]:
+        with pytest.raises(RuntimeError, match=says):
+            verify_engine(plan, {**facts, **bad})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The exact forward, wired through PolicyModel, with the reference kernels
+
+@pytest.mark.parametrize("gradient_checkpointing, fused", [(False, True), (True, False)])
+def test_exact_forward_equals_the_default_forward_up_to_rounding(tiny_model_dir, process_group,
+                                                                gradient_checkpointing, fused):
+    """A PolicyModel (FSDP2, fp32) in exact mode, the torch reference kernels standing in for vLLM's: log-probs,
+    entropy and gradients agree with the default forward within fp32 rounding (conftest.fp32_rounding_bound), with
+    a temperature (the temperature op) and chunks smaller than the batch; model.exact = None goes back to the default
+    forward bit for bit. This runs the packing, the layer dispatch under FSDP2 and gradient checkpointing, the
+    chunked head and every Function's backward."""
+    from conftest import assert_close_to_rounding, fp32_rounding_bound
+    from common.fsdp import load_policy
+    _, _, device = process_group
+    prompts, responses, batch = _rows()
+    runs = {}
+    for mode in ("default", "exact", "back"):
+        model = load_policy(tiny_model_dir, torch.float32, device, gradient_checkpointing=gradient_checkpointing)
+        cfg = model.lm.config
+        ex = ExactForward(TorchKernels(), rope_cache(cfg.head_dim, cfg.max_position_embeddings,
+                                                     cfg.rope_parameters["rope_theta"], torch.float32),
+                          page_size=4, fused=fused)
+        ex.install(model.lm)
+        model.exact = ex if mode == "exact" else None
+        model.train()
+        logp, ent = model(*batch, 0.7, 5, with_entropy=True)
+        (logp.sum() / 10).backward()
+        runs[mode] = (logp.detach(), ent.detach(),
+                      torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()]))
+    n = int(batch[2].sum())
+    fwd, bwd = (fp32_rounding_bound(cfg, batch[0].shape[1], n, backward=b) for b in (False, True))
+    (lp0, e0, g0), (lp1, e1, g1), (lp2, _, g2) = runs["default"], runs["exact"], runs["back"]
+    assert_close_to_rounding(lp1, lp0, fwd)
+    assert_close_to_rounding(e1, e0, fwd)
+    assert_close_to_rounding(g1, g0, bwd)
+    assert torch.equal(lp2, lp0) and torch.equal(g2, g0)
+    assert (lp1[~batch[2]] == 0).all() and g1.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The GPU probe's harness (sanity/exact_probe.py): its comparisons, and a failing probe process reported as a row
+
+def test_probe_comparisons_and_rows(tmp_path):
+    from sanity.exact_probe import Rows, compare_logprobs, table
+    old = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
+    mu = [torch.tensor([-1.0, -2.5]), torch.tensor([-0.5])]
+    c = compare_logprobs(old, mu)
+    assert c["tokens"] == 3 and c["equal"] == 2 and c["max_abs_diff"] == 0.5
+    assert c["first_diffs"] == [[0, 1, -2.0, -2.5]]
+    rows = Rows(str(tmp_path / "rows.jsonl"), variant="v", model="m", precision="bf16")
+    rows.compare("same", torch.ones(3, dtype=torch.float16), torch.ones(3, dtype=torch.float16))
+    rows.compare("one off", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
+    rows.run("raises", lambda: 1 / 0)
+    got = [json.loads(line) for line in open(tmp_path / "rows.jsonl")]
+    assert [(r["probe"], r["equal"]) for r in got] == [("same", True), ("one off", "1/2"), ("raises", False)]
+    assert got[2]["note"].startswith("error: ZeroDivisionError") and "\n" not in got[2]["note"]
+    md = table(got)
+    assert "| v | m | bf16 | one off | **1/2** | 0.5 |" in md
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels would run: this checks the harness")
+def test_probe_reports_a_failed_process_as_a_row(tmp_path):
+    p = subprocess.run([sys.executable, "sanity/exact_probe.py", "--variants", "kernels", "--out-dir",
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = json.loads((tmp_path / "probe.json").read_text())
+    assert rows and all(r["variant"] == "kernels" for r in rows)
+    assert "| probe | bitwise equal |" in p.stdout and (tmp_path / "probe.md").is_file()
