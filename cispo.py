@@ -48,7 +48,7 @@ from common.metrics import (MismatchMonitor, first_minibatch_mismatch, mismatch_
 from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
                               resolve_precisions)
 from common.rewards import check_reward, check_step_rewards, score_rollout
-from common.rundir import claim_run_dir
+from common.rundir import claim_run_dir, clear_run_dir
 from common.sampler import make_sampler, resolve_sampler
 from corrections import (Corrections, check_corrections, correction_metrics, correction_rules, correction_weights,
                          rejection_mask)
@@ -357,6 +357,8 @@ def main(args: Args) -> None:
         print0(f"[resume] from {resume_dir} at step {start_step}")
         set_aside_newer(ckpt_root, start_step)  # from an older step: the later checkpoints are moved aside
 
+    if args.overwrite:  # only now, with the inputs read and checked (docs/faults.md)
+        clear_run_dir(run_dir)
     logger = Logger(run_dir, flat_fields(args), enabled=rank == 0, total_steps=args.num_steps,
                     start_step=start_step, track=args.track, project=args.wandb_project, run_name=args.exp_name)
     def run_eval(step: int) -> None:

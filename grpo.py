@@ -18,7 +18,6 @@ new weights to the sampler -> log.
 import dataclasses
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -29,12 +28,13 @@ import torch
 import tyro
 from transformers import AutoTokenizer
 
+from common import exits
 from common.batches import batch_problems, micro_batches
 from common.checkpoint import (check_shared_dir, find_resume_dir, load_training_state, rng_state, save_checkpoint,
                                set_aside_newer, set_rng_state)
-from common.config import config_changes, flat_fields
+from common.config import check_resume_config, config_changes, run_config
 from common.data import encode_problems, load_problems
-from common.dist import cleanup_distributed, phase_memory, print0, reduce_stats, seed_everything, setup_distributed
+from common.dist import phase_memory, print0, reduce_stats, seed_everything, setup_distributed
 from common.evaluate import eval_name, evaluate
 from common.fsdp import check_model_dir, iter_full_state, load_policy
 from common.logger import Logger
@@ -44,7 +44,7 @@ from common.metrics import (MismatchMonitor, first_minibatch_mismatch, mismatch_
 from common.precision import (DTYPES, LossScaler, TrainingFault, check_finite_logprobs, check_forward_range,
                               resolve_precisions)
 from common.rewards import check_reward, check_step_rewards, score_rollout
-from common.rundir import claim_run_dir
+from common.rundir import claim_run_dir, clear_run_dir
 from common.sampler import make_sampler, resolve_sampler
 from corrections import (Corrections, check_corrections, correction_metrics, correction_rules, correction_weights,
                          rejection_mask)
@@ -187,8 +187,14 @@ class Args:
     resume: str | None = None
     """resume from a checkpoint directory, or 'latest' for the newest one in <run_dir>/checkpoints"""
     overwrite: bool = False
-    """start a new run in a --run-dir that holds another one: remove that run's files first (config.json,
-    metrics.jsonl, checkpoints/); without it (or --resume) such a directory is refused (docs/faults.md)"""
+    """start a new run in a --run-dir that holds another one: remove that run's files (config.json, metrics.jsonl,
+    checkpoints/), once this run's inputs are read and checked; without it (or --resume) such a directory is refused
+    (docs/faults.md)"""
+    accept_changes: bool = False
+    """with --resume: continue even where settings that define the run (script, model, data, seed, batch shape,
+    precision, the algorithm's flags) differ from those the checkpoint was trained with; without it such a resume is
+    refused, naming the differences. Every change is said at start and recorded in config_resume_<step>.json
+    (docs/faults.md)"""
 
 
 # The built-in task's defaults (a 0.4M-parameter model learning addition on a CPU in a minute or two). Evaluation
@@ -293,14 +299,12 @@ def validate(args: Args, world_size: int) -> None:
         raise FileNotFoundError(f"--resume {args.resume!r}: no such directory")
     if args.overwrite and args.resume is not None:
         raise ValueError("--overwrite removes the run that --resume would continue: give one or the other")
+    if args.accept_changes and args.resume is None:
+        raise ValueError("--accept-changes accepts changed settings of a resumed run: it goes with --resume")
     check_corrections(args.corrections, args.is_threshold, args.old_logp)
 
 
-current_step = 0  # the step in progress, which __main__'s message on Ctrl-C names
-
-
 def main(args: Args) -> None:
-    global current_step
     rank, world_size, device = setup_distributed(cpu_offload=args.cpu_offload)  # gloo only for offload
     print0(config_changes(args, Args(), BUILTIN if args.model is None else {},
                           f"BUILTIN in {os.path.basename(__file__)} (no --model)"))
@@ -312,13 +316,18 @@ def main(args: Args) -> None:
     seed_everything(args.seed)
     run_dir = args.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}")
     ckpt_root = os.path.join(run_dir, "checkpoints")
-    # one run per directory, one at a time: rank 0 holds the directory's lock until this process ends
+    # one run per directory, one at a time: rank 0 holds the directory's lock until this process ends. Nothing in it
+    # is changed until every input is read and checked (--overwrite clears it below)
     run_lock = claim_run_dir(run_dir, args.resume is not None, args.overwrite)  # noqa: F841
     check_shared_dir(run_dir, device)  # every rank writes its shards into the checkpoints: fail now, not at a save
+    exits.progress.ckpt_root = None if args.overwrite else ckpt_root  # (for the message on Ctrl-C)
+    config = run_config(__file__, args)
+    resume_dir = find_resume_dir(args.resume, ckpt_root) if args.resume else None  # checked: JSON, weights, pickles
+    if resume_dir:  # the settings that define the run must be the checkpoint's (--accept-changes: on purpose)
+        check_resume_config(resume_dir, run_dir, config, args.accept_changes)
 
     # --- data
     model_path, dataset, eval_paths = with_builtin_task(args.model, args.dataset, list(args.eval_dataset))
-    resume_dir = find_resume_dir(args.resume, ckpt_root) if args.resume else None
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     problems = encode_problems(tokenizer, load_problems(dataset), args.prompt_template, args.max_prompt_len, dataset)
     eval_sets = {}
@@ -353,9 +362,19 @@ def main(args: Args) -> None:
         if rank_state:
             set_rng_state(rank_state, getattr(sampler, "generator", None))
         print0(f"[resume] from {resume_dir} at step {start_step}")
-        set_aside_newer(ckpt_root, start_step)  # from an older step: the later checkpoints are moved aside
 
-    logger = Logger(run_dir, flat_fields(args), enabled=rank == 0, total_steps=args.num_steps,
+    # before any step: do the forward's activations fit the train and rollout precisions? (a clear error now, rather
+    # than steps skipped for fp16 overflows or rollouts sampled from NaN)
+    check_forward_range(model, model.lm, [p["prompt_ids"] for p in batch_problems(problems, start_step, args.num_prompts, rank,
+                                                                           world_size, args.seed)], pad_id, device,
+                        train_prec, rollout_prec, args.logprob_chunk)
+    # every input is read and checked: only now does the run directory change
+    if args.overwrite:
+        clear_run_dir(run_dir)
+    if resume_dir:  # from an older step: the later checkpoints, and their rows of the log, are moved aside
+        set_aside_newer(ckpt_root, start_step, os.path.join(run_dir, "metrics.jsonl"))
+    exits.progress.ckpt_root = ckpt_root
+    logger = Logger(run_dir, config, enabled=rank == 0, total_steps=args.num_steps,
                     start_step=start_step, track=args.track, project=args.wandb_project, run_name=args.exp_name)
     def run_eval(step: int) -> None:
         if eval_sets:
@@ -367,19 +386,14 @@ def main(args: Args) -> None:
 
     def save(step: int) -> None:
         save_checkpoint(ckpt_root, step, model, model.lm, tokenizer, optimizer,
-                        {"scaler": scaler.state_dict(), "kl_monitor": monitor.state_dict()},
+                        {"scaler": scaler.state_dict(), "kl_monitor": monitor.state_dict(), "config": config},
                         rng_state(getattr(sampler, "generator", None)), args.keep_last)
 
-    # before any step: do the forward's activations fit the train and rollout precisions? (a clear error now, rather
-    # than steps skipped for fp16 overflows or rollouts sampled from NaN)
-    check_forward_range(model, model.lm, [p["prompt_ids"] for p in batch_problems(problems, start_step, args.num_prompts, rank,
-                                                                           world_size, args.seed)], pad_id, device,
-                        train_prec, rollout_prec, args.logprob_chunk)
     step = start_step
     if start_step == 0 and args.eval_every:
         run_eval(0)  # the starting point
     for step in range(start_step + 1, args.num_steps + 1):
-        current_step = step
+        exits.progress.step = step  # the step in progress, which the message on Ctrl-C names
         t_step = time.perf_counter()
         mem = phase_memory(device)  # {}; resets the peak; each phase adds its GPU memory (none on CPU)
         # --- 1. sample G responses per prompt with the sampler (weights = the current policy, rollout precision)
@@ -510,17 +524,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(parse_args())
-    except (ValueError, FileNotFoundError, PermissionError, TrainingFault) as e:  # one line, no traceback
-        if os.environ.get("DEBUG"):
-            raise
-        print(f"{os.path.basename(__file__)}: error: {e}", file=sys.stderr)
-        sys.exit(3 if isinstance(e, TrainingFault) else 2)  # 3: stopped by a fault, 2: bad input
-    except KeyboardInterrupt:  # Ctrl-C: where the run stopped and how to go on, not a traceback
-        if os.environ.get("DEBUG"):
-            raise
-        print(f"{os.path.basename(__file__)}: interrupted at step {current_step}; resume with --resume latest",
-              file=sys.stderr)
-        sys.exit(130)  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
-    cleanup_distributed()  # after main() returned: its model holds the process group, which must be freed here
+    exits.run(lambda: main(parse_args()), __file__)  # exit codes 2, 3, 130 with one line (docs/faults.md)
