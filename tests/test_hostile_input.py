@@ -7,6 +7,7 @@ log beside the checkpoints it moves aside. The scripts run on the built-in task,
 (main() raises the error that their __main__ prints as one line with exit code 2: common/exits.py; a few cases run
 them as a user does, to see that line)."""
 import dataclasses
+import gc
 import hashlib
 import importlib
 import json
@@ -36,6 +37,7 @@ def run(name, *args):
 
 def main(name, *args):
     """The script's main() in this process (a process group of one is already there: the process_group fixture)."""
+    gc.collect()  # an earlier main()'s error, caught by a test, holds its frame (and run directory lock) in a cycle
     m = importlib.import_module(name.removesuffix(".py"))
     m.main(m.parse_args(list(args)))
 
