@@ -465,8 +465,8 @@ class UnsafeCheckpoint(ValueError):
 def check_dcp_metadata(path: str) -> None:
     """Raise UnsafeCheckpoint (one line, naming the file) unless `path`, a DCP .metadata file, unpickles into
     torch.distributed.checkpoint's Metadata with _MetadataUnpickler. torch's FileSystemReader.read_metadata reads
-    that file with plain pickle.load (torch 2.13; 2.11 likewise), which runs whatever a pickle names: this check
-    comes first."""
+    that file with plain pickle.load (torch 2.13), which runs whatever a pickle names: this check comes first. (The
+    metadata classes allowed are looked up in each module where torch versions keep them.)"""
     from torch.distributed.checkpoint.metadata import Metadata
     try:
         with open(path, "rb") as f:
