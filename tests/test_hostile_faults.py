@@ -107,7 +107,8 @@ def test_the_ctrl_c_line_says_whether_there_is_a_checkpoint_to_resume(tmp_path):
                                                      "checkpoint: nothing to resume; start it again with --overwrite")
         os.makedirs(tmp_path / "checkpoints" / "step_000002")
         os.makedirs(tmp_path / "checkpoints" / "step_000003.tmp")
-        assert exits.interrupted_line("grpo.py") == "grpo.py: interrupted at step 3; resume with --resume latest (step 2)"
+        assert exits.interrupted_line("grpo.py") == ("grpo.py: interrupted at step 3; resume with --resume latest "
+                                                     "(step 2)")
     finally:
         exits.progress.step, exits.progress.ckpt_root = 0, None
 
