@@ -171,7 +171,9 @@ def main(args: Args) -> None:
     train_dtype, rollout_dtype = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
     recompute = args.old_logp == "recompute"  # else pi_old is mu (--old-logp mu): no recompute forward
     seed_everything(args.seed)
-    run = rundir.RunDir(infra.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}"), infra, device)
+    # one run per directory, one at a time; nothing in it changes until every input is read and checked (run.start)
+    run = rundir.RunDir(infra.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}"), infra, device,
+                        cli.run_config(__file__, args))
 
     # --- data: the tokenizer, the training and evaluation problems (the built-in task's, without --model)
     model_path, tokenizer, problems, eval_sets = load_task(args.model, args.dataset, infra.eval_dataset,
@@ -195,8 +197,6 @@ def main(args: Args) -> None:
            f"{args.rollout_precision or args.precision}; {sum(p.numel() for p in params) / 1e6:.1f}M parameters")
     parts = {"": (model, optimizer, {"scaler": scaler, "kl_monitor": monitor})}  # what a checkpoint holds
     start_step = run.load(parts, sampler)
-    logger = Logger(run.path, cli.flat_fields(args), rank == 0, args.num_steps, start_step, infra.track,
-                    infra.wandb_project, args.exp_name)
 
     def run_eval(step: int) -> None:
         if eval_sets:
@@ -210,6 +210,9 @@ def main(args: Args) -> None:
     first_batch = batches.batch_problems(problems, start_step, args.num_prompts, rank, world_size, args.seed)
     preflight.check_forward_range(model, [p["prompt_ids"] for p in first_batch], pad_id, device, train_dtype,
                                   rollout_dtype, infra.logprob_chunk)
+    run.start(start_step)  # every input is read and checked: only now does the run directory change
+    logger = Logger(run.path, run.config, rank == 0, args.num_steps, start_step, infra.track, infra.wandb_project,
+                    args.exp_name)
     if start_step == 0 and infra.eval_every:
         run_eval(0)  # the starting point
     step = start_step

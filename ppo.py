@@ -362,7 +362,9 @@ def main(args: Args) -> None:
     train_dtype, rollout_dtype = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
     recompute = args.old_logp == "recompute"  # else pi_old is mu (--old-logp mu): no recompute forward
     seed_everything(args.seed)
-    run = rundir.RunDir(infra.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}"), infra, device)
+    # one run per directory, one at a time; nothing in it changes until every input is read and checked (run.start)
+    run = rundir.RunDir(infra.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}"), infra, device,
+                        cli.run_config(__file__, args))
     critic_dir = run.resume_dir and os.path.join(run.resume_dir, "critic")  # PPO: the critic's part of a checkpoint
     if critic_dir and not os.path.isdir(critic_dir):  # PPO: written before the critic moved into the step's folder
         raise ValueError(f"--resume {run.resume_dir}: not a complete checkpoint of ppo.py (no critic/ in it); an older "
@@ -399,8 +401,6 @@ def main(args: Args) -> None:
     parts = {"": (model, optimizer, {"scaler": scaler, "kl_monitor": monitor}),  # what a checkpoint holds; PPO:
              "critic": (critic, critic_optimizer, {"scaler": critic_scaler, "value_head": ValueHeadState(critic)})}
     start_step = run.load(parts, sampler)
-    logger = Logger(run.path, cli.flat_fields(args), rank == 0, args.num_steps, start_step, infra.track,
-                    infra.wandb_project, args.exp_name)
 
     def run_eval(step: int) -> None:
         if eval_sets:
@@ -414,6 +414,9 @@ def main(args: Args) -> None:
     first_batch = batches.batch_problems(problems, start_step, args.num_prompts, rank, world_size, args.seed)
     preflight.check_forward_range(model, [p["prompt_ids"] for p in first_batch], pad_id, device, train_dtype,
                                   rollout_dtype, infra.logprob_chunk)
+    run.start(start_step)  # every input is read and checked: only now does the run directory change
+    logger = Logger(run.path, run.config, rank == 0, args.num_steps, start_step, infra.track, infra.wandb_project,
+                    args.exp_name)
     if start_step == 0 and infra.eval_every:
         run_eval(0)  # the starting point
     step = start_step

@@ -2,9 +2,14 @@
 model.safetensors, streamed by rank 0), optimizer/ (DCP shards, resharded on load), trainer_state.json and
 rng_rank{r}.json. What each file holds, the phases of a save, resuming from an older step: docs/checkpoints.md.
 """
+import dataclasses
+import enum
+import errno
+import importlib
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -15,10 +20,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from tqdm import tqdm
 
+from common.exits import SigintDeferred
 from common.fsdp import full_state_names, iter_full_state
+from common.logger import rows_after
+from common.preflight import check_model_dir
 from common.precision import TrainingFault
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -75,8 +85,14 @@ def save_checkpoint(ckpt_root: str, step: int, tokenizer, parts: dict, rank_stat
     """Collective: every rank calls it. parts: {folder in the checkpoint ("" for its root): (model, optimizer or None,
     trainer_state dict)}, `model` an FSDP root whose `lm` is the Hugging Face model (the policy at the root, ppo.py's
     critic in critic/). After each phase all ranks agree on success (agree_on_failure); keep_last: prune to the newest
-    keep_last, counting this one, after the durable rename. The phases and what a failure leaves:
-    docs/checkpoints.md."""
+    keep_last, counting this one, after the durable rename. Ctrl-C during a save is held until the end of the phase
+    (SigintDeferred), then every rank raises KeyboardInterrupt with the previous checkpoint intact. The phases and
+    what a failure leaves: docs/checkpoints.md."""
+    with SigintDeferred() as sigint:
+        return _save_checkpoint(ckpt_root, step, tokenizer, parts, rank_state, keep_last, sigint)
+
+
+def _save_checkpoint(ckpt_root, step, tokenizer, parts, rank_state, keep_last, sigint):
     rank = dist.get_rank()
     final = os.path.join(ckpt_root, f"step_{step:06d}")
     tmp = final + ".tmp"
@@ -84,75 +100,157 @@ def save_checkpoint(ckpt_root: str, step: int, tokenizer, parts: dict, rank_stat
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     what = f"step {step}: checkpoint {final} not saved"
-    try:  # 1. every rank: the directories (none writes into one it has not seen made) and its RNG streams
+    def attempt(fn) -> str | None:
+        """fn(); None, or its error line (INTERRUPTED for a KeyboardInterrupt raised inside: a Ctrl-C that came
+        before the deferral, or one raised by code this process runs)."""
+        try:
+            fn()
+            return None
+        except KeyboardInterrupt:
+            return INTERRUPTED
+        except Exception as e:
+            return error_line(e, where=tmp)
+
+    def agree(error):
+        agree_on_failure(error, what, interrupted=sigint.pending)
+
+    def phase1():  # every rank: the directories (none writes into one it has not seen made) and its RNG streams
         for folder in parts:
             os.makedirs(os.path.join(tmp, folder), exist_ok=True)
         write_json(os.path.join(tmp, f"rng_rank{rank}.json"), rng_to_json(rank_state))
-        error = None
-    except Exception as e:
-        error = error_line(e)
-    agree_on_failure(error, what)
+    agree(attempt(phase1))
     for folder, (model, optimizer, trainer_state) in parts.items():
+        out = os.path.join(tmp, folder)
         if optimizer is not None:  # 2. each rank writes its shard of the AdamW state (DCP fsyncs its files)
-            error = None
             try:
                 dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)},
-                         checkpoint_id=os.path.join(tmp, folder, "optimizer"))
+                         checkpoint_id=os.path.join(out, "optimizer"),
+                         storage_writer=_DiskFullSaysSo(os.path.join(out, "optimizer")))
+                error = None
             except CheckpointException as e:  # DCP gathers every rank's failure and raises it on every rank
-                error = first_failure(e)
+                error = INTERRUPTED if interrupted_inside(e) else first_failure(e, where=tmp)
+            except KeyboardInterrupt:
+                error = INTERRUPTED
             except Exception as e:
-                error = error_line(e)
-            agree_on_failure(error, what)
+                error = error_line(e, where=tmp)
+            agree(error)
         # 3. the weights, fp32, gathered one tensor at a time and written by rank 0 as they come (a tied lm_head is
         # stored once, as the embedding: what from_pretrained and vLLM expect)
-        lm, out = model.lm, os.path.join(tmp, folder)
+        lm = model.lm
         entries = full_state_names(lm)
         tensors = iter_full_state(lm, torch.float32, torch.device("cpu"), aliases=False)
-        error = None
-        if rank == 0:
+
+        def until_interrupted(items):
+            """The tensors, up to a Ctrl-C: it stops rank 0's writing (raised in this wrapper, so `tensors` itself
+            stays alive and the gathers below go on: the other ranks take part in all of them)."""
+            for item in items:
+                yield item
+                if sigint.pending:
+                    raise KeyboardInterrupt
+
+        def phase3():
+            write_safetensors(os.path.join(out, "model.safetensors"), entries, until_interrupted(tensors))
+            lm.config.save_pretrained(out)
+            if lm.generation_config is not None:
+                lm.generation_config.save_pretrained(out)
+            tokenizer.save_pretrained(out)
+            write_json(os.path.join(out, "trainer_state.json"), {"step": step, **trainer_state}, indent=2)
+        error = attempt(phase3) if rank == 0 else None
+        while True:  # the gathers are collectives: every rank takes part in all of them, rank 0 after a failure too
             try:
-                write_safetensors(os.path.join(out, "model.safetensors"), entries, tensors)
-                lm.config.save_pretrained(out)
-                if lm.generation_config is not None:
-                    lm.generation_config.save_pretrained(out)
-                tokenizer.save_pretrained(out)
-                write_json(os.path.join(out, "trainer_state.json"), {"step": step, **trainer_state}, indent=2)
-            except Exception as e:
-                error = error_line(e)
-        for _ in tensors:  # the gathers are collectives: every rank takes part in all of them, rank 0 after a failure
-            pass
-        agree_on_failure(error, what)
-    error = None
-    if rank == 0:  # 4. into place, durably, then prune
-        try:
-            fsync_tree(tmp)  # every rank's files and the directories, before the rename makes them a checkpoint
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            fsync_dir(ckpt_root)  # the rename itself survives a crash
-        except Exception as e:
-            error = error_line(e)
-        if error is None and keep_last > 0:
+                for _ in tensors:
+                    pass
+                break
+            except KeyboardInterrupt:  # raised between two gathers (signals run between bytecodes): go on gathering
+                error = error or INTERRUPTED
+        agree(error)
+
+    def phase4():  # into place, durably, then prune
+        fsync_tree(tmp)  # every rank's files and the directories, before the rename makes them a checkpoint
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        fsync_dir(ckpt_root)  # the rename itself survives a crash
+        if keep_last > 0:
             older = [c for c in list_checkpoints(ckpt_root) if checkpoint_step(c) < step]
             for old in older[:max(len(older) - (keep_last - 1), 0)]:
                 shutil.rmtree(old, ignore_errors=True)
-    agree_on_failure(error, what)
+    agree(attempt(phase4) if rank == 0 else None)
     return final
 
 
-def error_line(e: BaseException, rank: int | None = None) -> str:
-    """`rank r: Type: first line of the message` (r: this rank unless given)."""
+class _DiskFullSaysSo(FileSystemWriter):
+    """DCP's file writer, except that a full disk is raised as the OSError it is: torch.save turns it into
+    `RuntimeError: unexpected pos A vs B` with the OSError as context, which DCP's gathering of every rank's failure
+    (a pickle) then drops."""
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except Exception as e:
+            full = _disk_full(e)
+            if full is None or full is e:
+                raise
+            text = str(e).strip().splitlines()
+            raise OSError(full.errno, f"{os.strerror(full.errno)}, writing into {self.path} ({type(e).__name__}: "
+                          f"{text[0] if text else ''})") from e
+
+
+INTERRUPTED = "KeyboardInterrupt"  # a phase's "error" when it was interrupted: every rank then raises KeyboardInterrupt
+
+
+def interrupted_inside(e: CheckpointException) -> bool:
+    """Whether DCP's exception wraps a KeyboardInterrupt (DCP catches BaseException in its writer and reader)."""
+    return any(isinstance(err, KeyboardInterrupt) for err, _traceback in e.failures.values())
+
+
+def error_line(e: BaseException, rank: int | None = None, where: str | None = None) -> str:
+    """`rank r: Type: first line of the message` (r: this rank unless given). A full disk is said as such even where
+    a writer reports it otherwise: PyTorch's stream writer turns the ENOSPC of a short write into `RuntimeError:
+    unexpected pos A vs B` (the OSError is its context), named with `where`, the directory being written."""
     text = str(e).strip().splitlines()
     rank = dist.get_rank() if rank is None else rank
-    return f"rank {rank}: {type(e).__name__}: {text[0] if text else ''}"
+    line = f"rank {rank}: {type(e).__name__}: {text[0] if text else ''}"
+    full = _disk_full(e)
+    if full is not None and full is not e:
+        return (f"rank {rank}: OSError: [Errno {full.errno}] {os.strerror(full.errno)}, writing into {where} "
+                f"({type(e).__name__}: {text[0] if text else ''})")
+    if full is None and "unexpected pos" in line and where is not None:  # the OSError was lost (a gathered error)
+        return f"{line} (a write into {where} fell short: is its disk full? {_free_space(where)})"
+    return line
 
 
-def agree_on_failure(error: str | None, what: str) -> None:
-    """Collective: every rank gives its error line of a phase (None: it succeeded). When any rank failed, every rank
-    raises CheckpointError with the same line (the first failing rank's, and how many others failed), so that no rank
-    goes on to a collective that a failed rank will never join."""
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [e for e in errors if e is not None]
+def _disk_full(e: BaseException) -> OSError | None:
+    """The OSError for a full disk or quota (ENOSPC, EDQUOT) that is e or caused it, or None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _free_space(path: str) -> str:
+    """`N MB free there` for the nearest existing directory of path."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        return f"{shutil.disk_usage(path or '.').free / 1e6:.0f} MB free there now"
+    except OSError:
+        return "free space unknown"
+
+
+def agree_on_failure(error: str | None, what: str, interrupted: bool = False) -> None:
+    """Collective: every rank gives its error line of a phase (None: it succeeded) and whether a Ctrl-C is pending.
+    When any rank was interrupted, every rank raises KeyboardInterrupt (the save is abandoned where it stands, the
+    previous checkpoint intact); else when any rank failed, every rank raises CheckpointError with the same line (the
+    first failing rank's, and how many others failed), so that no rank goes on to a collective that a failed rank
+    will never join."""
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, (error, interrupted or error == INTERRUPTED))
+    if any(stop for _, stop in reports):
+        raise KeyboardInterrupt
+    failed = [e for e, _ in reports if e is not None]
     if failed:
         others = f" (and {len(failed) - 1} other rank{'s' if len(failed) > 2 else ''})" if len(failed) > 1 else ""
         raise CheckpointError(f"{what}: {failed[0]}{others}")
@@ -228,10 +326,12 @@ def checkpoint_step(path: str) -> int:
     return int(STEP_DIR.match(os.path.basename(path)).group(1))
 
 
-def set_aside_newer(ckpt_root: str, step: int) -> str | None:
+def set_aside_newer(ckpt_root: str, step: int, metrics_path: str | None = None) -> str | None:
     """Collective. Move the checkpoints of steps after `step` into ckpt_root/abandoned_<time>/ (never deleted):
-    a resume from an older checkpoint starts a new line of steps (docs/checkpoints.md). Returns that directory (None
-    when there was nothing to move); raises ValueError, on every rank, when the move fails."""
+    a resume from an older checkpoint starts a new line of steps (docs/checkpoints.md). The rows of metrics_path
+    (the run's metrics.jsonl) after `step`, which the resumed run's log drops, are copied beside them into
+    abandoned_<time>/metrics.jsonl. Returns that directory (None when there was nothing to move); raises ValueError,
+    on every rank, when the move fails."""
     moved, error = None, None
     if dist.get_rank() == 0:
         newer = [c for c in list_checkpoints(ckpt_root) if checkpoint_step(c) > step]
@@ -243,13 +343,20 @@ def set_aside_newer(ckpt_root: str, step: int) -> str | None:
                     n += 1
                     moved = f"{base}_{n}"
                 os.makedirs(moved)
+                rows = rows_after(metrics_path, step) if metrics_path else []
+                if rows:  # first: the log of the line left behind goes with its checkpoints
+                    with open(os.path.join(moved, "metrics.jsonl"), "w") as f:
+                        f.writelines(rows)
+                        f.flush()
+                        os.fsync(f.fileno())
                 for c in newer:
                     os.replace(c, os.path.join(moved, os.path.basename(c)))
                 fsync_dir(moved)
                 fsync_dir(ckpt_root)
                 print(f"[resume] {ckpt_root} held checkpoints after step {step} "
                       f"({', '.join(str(checkpoint_step(c)) for c in newer)}), of the run's line this resume leaves: "
-                      f"moved into {moved} (not deleted; --resume latest and --keep-last now see this line only)",
+                      f"moved into {moved} (not deleted; --resume latest and --keep-last now see this line only)"
+                      + (f"; the {len(rows)} rows of metrics.jsonl after step {step} are copied there" if rows else ""),
                       flush=True)
             except OSError as e:
                 error = f"--resume: cannot move the checkpoints after step {step} aside in {ckpt_root}: {e}"
@@ -263,6 +370,10 @@ def set_aside_newer(ckpt_root: str, step: int) -> str | None:
 
 
 def find_resume_dir(resume: str, ckpt_root: str) -> str:
+    """The checkpoint of --resume ('latest': the newest complete one in ckpt_root), checked before anything is loaded
+    or written: its model directory as --model's (config and tokenizer files, complete safetensors weights),
+    trainer_state.json, and optimizer/.metadata, which must hold checkpoint metadata only (check_dcp_metadata). A
+    damaged or foreign checkpoint is a one-line error naming the file."""
     path = resume
     if resume == "latest":
         found = list_checkpoints(ckpt_root)
@@ -271,13 +382,95 @@ def find_resume_dir(resume: str, ckpt_root: str) -> str:
         path = found[-1]
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise FileNotFoundError(f"--resume {resume!r}: {path} is not a complete checkpoint (no trainer_state.json)")
+    check_model_dir(path, "--resume")
+    state = read_json(os.path.join(path, "trainer_state.json"), "--resume")
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise ValueError(f"--resume: {os.path.join(path, 'trainer_state.json')} has no step: not a checkpoint's")
+    metadata = os.path.join(path, "optimizer", ".metadata")
+    if os.path.exists(metadata):
+        check_dcp_metadata(metadata)
     return path
 
 
-def first_failure(e: CheckpointException) -> str:
+def read_json(path: str, what: str = ""):
+    """json.load of path; a file that is not JSON (damaged, cut, not UTF-8) is a ValueError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what + ': ' if what else ''}{path} is damaged: not JSON ({e.msg} at line {e.lineno} "
+                         f"column {e.colno})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what + ': ' if what else ''}{path} is damaged: not UTF-8 text (byte "
+                         f"{e.object[e.start]:#04x} at offset {e.start})") from None
+
+
+# What torch.distributed.checkpoint pickles into optimizer/.metadata: its metadata dataclasses and enums (in the
+# modules where torch versions keep them), torch.Size, dtypes, a layout by name, paths. Nothing else is let through.
+_DCP_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                         "torch.distributed._shard.sharded_tensor.metadata")
+_DCP_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                         ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+                         ("pathlib", "PurePath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that builds checkpoint metadata only: any other global a pickle names (os.system, eval, a class
+    whose construction runs code) is refused before it is looked up, so loading never runs code the file carries."""
+
+    def find_class(self, module, name):
+        if module in _DCP_METADATA_MODULES and "." not in name:
+            cls = getattr(importlib.import_module(module), name, None)
+            if isinstance(cls, type) and (dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)):
+                return cls
+        elif (module, name) in _DCP_METADATA_GLOBALS:
+            return getattr(importlib.import_module(module), name)
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which is no part of checkpoint metadata")
+
+
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint file that would run code if PyTorch loaded it as it does (a pickle naming other globals)."""
+
+
+def check_dcp_metadata(path: str) -> None:
+    """Raise UnsafeCheckpoint (one line, naming the file) unless `path`, a DCP .metadata file, unpickles into
+    torch.distributed.checkpoint's Metadata with _MetadataUnpickler. torch's FileSystemReader.read_metadata reads
+    that file with plain pickle.load (torch 2.13), which runs whatever a pickle names: this check comes first. (The
+    metadata classes allowed are looked up in each module where torch versions keep them.)"""
+    from torch.distributed.checkpoint.metadata import Metadata
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as e:  # noqa: BLE001 -- UnpicklingError, EOFError: a foreign, damaged or cut file
+        raise UnsafeCheckpoint(f"--resume: {path} is not a checkpoint's optimizer metadata ({type(e).__name__}: "
+                               f"{' '.join(str(e).split())[:200]}); refused: unpickling it could run code (to train "
+                               "from a checkpoint of unknown origin, give it as --model: weights only)") from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpoint(f"--resume: {path} is not a checkpoint's optimizer metadata (it holds a "
+                               f"{type(metadata).__name__}); refused")
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that each non-tensor value of the state dict (the optimizer's lr, betas,
+    ...: a torch.save pickle inside a .distcp file) is first read with torch.load(weights_only=True): the default
+    planner loads them with weights_only=False, which would run code that a .distcp file carries."""
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as e:  # noqa: BLE001 -- UnpicklingError for a forbidden global, or a damaged value
+            raise UnsafeCheckpoint(f"its value {read_item.dest_index.fqn} is not plain data "
+                                   f"({' '.join(str(e).split())[:200]}); refused: loading it could run code") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)  # the same bytes, now known to build plain data only
+
+
+def first_failure(e: CheckpointException, where: str | None = None) -> str:
     """The first line of the first failing rank's error, out of DCP's exception (which gathers every rank's)."""
     for rank, (err, _traceback) in sorted(e.failures.items()):
-        return error_line(err, rank)
+        return error_line(err, rank, where)
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
 
@@ -285,23 +478,34 @@ def first_failure(e: CheckpointException) -> str:
 def load_training_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
     """Optimizer state (each rank reads the parts of the DCP shards it now holds: any number of ranks),
     trainer_state.json and this rank's RNG state (empty when the checkpoint was written by fewer ranks). The weights
-    come from loading `path` as the model directory."""
+    come from loading `path` as the model directory. Nothing of the checkpoint is unpickled unchecked
+    (check_dcp_metadata, WeightsOnlyLoadPlanner)."""
     rank = dist.get_rank()
     if optimizer is not None:
         state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # the layout this run holds (zeros)
+        metadata = os.path.join(path, "optimizer", ".metadata")
+        if not os.path.isfile(metadata):
+            raise FileNotFoundError(f"--resume: {path} is not a complete checkpoint (no optimizer/.metadata)")
+        check_dcp_metadata(metadata)  # torch reads it next, with pickle.load
         try:
-            dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
+            dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"), planner=WeightsOnlyLoadPlanner())
         except CheckpointException as e:  # a BaseException, whose message holds every rank's traceback: one line
+            if interrupted_inside(e):
+                raise KeyboardInterrupt from None
+            unsafe = [err for err, _ in e.failures.values() if isinstance(err, UnsafeCheckpoint)]
+            if unsafe:
+                raise UnsafeCheckpoint(f"--resume: {os.path.join(path, 'optimizer')}: {unsafe[0]}") from None
             raise ValueError(f"--resume {path}: its optimizer state does not fit this model and optimizer "
-                             f"({first_failure(e)})") from e
+                             f"({first_failure(e)})") from None
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        trainer_state = json.load(f)
+    trainer_state = read_json(os.path.join(path, "trainer_state.json"), "--resume")
     rng_file = os.path.join(path, f"rng_rank{rank}.json")
     rank_state = {}
     if os.path.exists(rng_file):
-        with open(rng_file) as f:
-            rank_state = rng_from_json(json.load(f))
+        try:
+            rank_state = rng_from_json(read_json(rng_file, "--resume"))
+        except (KeyError, TypeError, IndexError, AttributeError) as e:  # JSON, but not a random state's
+            raise ValueError(f"--resume: {rng_file} is damaged: not a random state ({type(e).__name__}: {e})") from None
     elif rank == 0 and os.path.exists(os.path.join(path, f"rng_rank{rank}.pt")):  # (written by an older version)
         print(f"[resume] {path}: rng_rank*.pt not read (a pickle: loading it could run code); the random streams "
               "start afresh", flush=True)

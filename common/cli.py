@@ -10,9 +10,10 @@ from typing import Literal
 
 import tyro
 
-from common.dist import cleanup_distributed
+from common import exits
+from common.config import _show, config_changes, flat_fields, run_config  # noqa: F401 (the scripts' start-up line)
 from common.exact import plan_for_run
-from common.precision import TrainingFault, precision_name, resolve_precisions
+from common.precision import precision_name, resolve_precisions
 from common.preflight import check_model_dir
 from common.rewards import check_reward
 from common.sampler import resolve_sampler
@@ -95,8 +96,14 @@ class Infra:
     resume: str | None = None
     """resume from a checkpoint directory, or 'latest' for the newest one in <run_dir>/checkpoints"""
     overwrite: bool = False
-    """start a new run in a --run-dir that holds another one: remove that run's files first (config.json,
-    metrics.jsonl, checkpoints/); without it (or --resume) such a directory is refused (docs/faults.md)"""
+    """start a new run in a --run-dir that holds another one: remove that run's files (config.json, metrics.jsonl,
+    checkpoints/), once this run's inputs are read and checked; without it (or --resume) such a directory is refused
+    (docs/faults.md)"""
+    accept_changes: bool = False
+    """with --resume: continue even where settings that define the run (script, model, data, seed, batch shape,
+    precision, the algorithm's flags) differ from those the checkpoint was trained with; without it such a resume is
+    refused, naming the differences. Every change is said at start and recorded in config_resume_<step>.json
+    (docs/faults.md)"""
 
 
 InfraField = tyro.conf.OmitArgPrefixes[Infra]  # an Args field's type: the flags stay --run-dir, not --infra.run-dir
@@ -125,32 +132,6 @@ def with_values(obj, values: dict):
         elif f.name in values:
             changes[f.name] = values[f.name]
     return dataclasses.replace(obj, **changes)
-
-
-def flat_fields(obj) -> dict:
-    """A dataclass instance's fields as one flat dict; a nested dataclass field (a group of flags) is flattened."""
-    out = {}
-    for key, value in (obj if isinstance(obj, dict) else dataclasses.asdict(obj)).items():
-        out.update(flat_fields(value) if isinstance(value, dict) else {key: value})
-    return out
-
-
-def _show(value) -> str:
-    if isinstance(value, (tuple, list)):
-        return " ".join(_show(v) for v in value) or "()"
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def config_changes(args, defaults, preset: dict, preset_name: str) -> str:
-    """One line: the fields of `args` that differ from `defaults` (dataclass instances of the same class), those
-    equal to `preset`'s value marked as the preset's, the others as the command line's."""
-    now, base = flat_fields(args), flat_fields(defaults)
-    changed = {k: v for k, v in now.items() if v != base[k]}
-    from_preset = [f"{k} {_show(v)}" for k, v in changed.items() if k in preset and v == preset[k]]
-    from_cli = [f"{k} {_show(v)}" for k, v in changed.items() if not (k in preset and v == preset[k])]
-    parts = ([f"{preset_name}: {', '.join(from_preset)}"] if from_preset else []) + \
-        ([f"command line: {', '.join(from_cli)}"] if from_cli else [])
-    return "[config] Args' defaults" + (", except: " + "; ".join(parts) if parts else "")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -225,6 +206,8 @@ def validate(args, world_size: int, **ranges) -> None:
         raise FileNotFoundError(f"--resume {infra.resume!r}: no such directory")
     if infra.overwrite and infra.resume is not None:
         raise ValueError("--overwrite removes the run that --resume would continue: give one or the other")
+    if infra.accept_changes and infra.resume is None:
+        raise ValueError("--accept-changes accepts changed settings of a resumed run: it goes with --resume")
     if infra.exact:  # refused here, before a model loads, where exact mode is not supported
         train, rollout = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
         plan_for_run(args.model, train_precision=precision_name(train), rollout_precision=precision_name(rollout),
@@ -235,31 +218,15 @@ def validate(args, world_size: int, **ranges) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # the steps, and how a script ends
 
-_in_progress = {"step": 0}  # the step the exit message names
-
-
 def steps(first: int, last: int):
     """first..last, each recorded as the step in progress while it runs (an interrupted run's message names it)."""
     for step in range(first, last + 1):
-        _in_progress["step"] = step
+        exits.progress.step = step
         yield step
 
 
 def run(main, parse_args) -> None:
-    """A script's __main__: main(parse_args()), its errors as exit codes with one line (docs/faults.md): 2 bad input,
-    3 a training fault, 130 Ctrl-C (with the step and how to go on), a traceback for anything else; DEBUG=1 gives
-    the traceback every time. Then the process group is freed (after main() returned: its model holds the group)."""
-    script = os.path.basename(sys.argv[0])
-    try:
-        main(parse_args())
-    except (ValueError, FileNotFoundError, PermissionError, TrainingFault) as e:
-        if os.environ.get("DEBUG"):
-            raise
-        print(f"{script}: error: {e}", file=sys.stderr)
-        sys.exit(3 if isinstance(e, TrainingFault) else 2)  # 3: stopped by a fault, 2: bad input
-    except KeyboardInterrupt:  # Ctrl-C: where the run stopped and how to go on, not a traceback
-        if os.environ.get("DEBUG"):
-            raise
-        print(f"{script}: interrupted at step {_in_progress['step']}; resume with --resume latest", file=sys.stderr)
-        sys.exit(130)  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
-    cleanup_distributed()
+    """A script's __main__: main(parse_args()) through common.exits.run: its errors as exit codes with one line
+    (docs/faults.md): 2 bad input, 3 a training fault, 130 Ctrl-C (with the step and how to go on), a traceback for
+    anything else; DEBUG=1 gives the traceback every time."""
+    exits.run(lambda: main(parse_args()), sys.argv[0])

@@ -26,8 +26,13 @@ def _read_rows(path: str) -> list[tuple[str, object]]:
     ext = os.path.splitext(path)[1].lower()
     if ext == ".jsonl":
         rows = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
+        with open(path, "rb") as f:  # bytes, decoded line by line: an error names its line
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}: line {lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                     f"{e.start + 1}); save the file as UTF-8") from None
                 if not line.strip():
                     continue
                 try:
@@ -41,6 +46,9 @@ def _read_rows(path: str) -> list[tuple[str, object]]:
                 data = json.load(f)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: line {e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); save "
+                                 "the file as UTF-8") from None
         if not isinstance(data, list):
             raise ValueError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
     elif ext == ".parquet":

@@ -1,11 +1,17 @@
 """Logging on rank 0: a progress bar, one readable line per step (ending with the elapsed time and eta_s), metrics.jsonl
-in the run directory, and wandb only with --track (offline without an account). Other ranks' logger does nothing."""
+in the run directory, and wandb only with --track (offline without an account). Other ranks' logger writes nothing,
+but every rank calls it: a write that fails on rank 0 (a full disk) stops every rank with the same line (exit 3)."""
+import errno
 import json
 import math
 import os
+import re
 import time
 
+import torch.distributed as dist
 from tqdm import tqdm
+
+from common.precision import TrainingFault
 
 # the keys shown in the readable per-step line, with their short names
 LINE_KEYS = [("train/accuracy", "acc"), ("train/response_len_mean", "len"), ("mismatch/kl_k3", "kl_k3"),
@@ -13,16 +19,29 @@ LINE_KEYS = [("train/accuracy", "acc"), ("train/response_len_mean", "len"), ("mi
              ("time/step", "s")]
 
 
+class LogWriteError(TrainingFault):
+    """The run's log could not be written (a full disk, a lost mount): the run stops, exit code 3."""
+
+
 class Logger:
     def __init__(self, run_dir: str, config: dict, enabled: bool, total_steps: int, start_step: int = 0,
                  track: bool = False, project: str = "rl-mismatch", run_name: str | None = None):
+        """Collective where a process group exists. A new run (start_step 0) writes its settings to config.json; a
+        resumed one to config_resume_<start_step>.json beside it (record_config): config.json keeps the settings
+        the run started with."""
         self.enabled = enabled
+        error = None
+        if enabled:
+            try:
+                os.makedirs(run_dir, exist_ok=True)
+                self.config_path = record_config(run_dir, config, start_step)
+                self.path = os.path.join(run_dir, "metrics.jsonl")
+                self.file = open_metrics(self.path, start_step)
+            except OSError as e:
+                error = write_error(e, getattr(e, "filename", None) or run_dir, f"step {start_step}")
+        agree(error)
         if not enabled:
             return
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(config, f, indent=2, default=str)
-        self.file = open_metrics(os.path.join(run_dir, "metrics.jsonl"), start_step)
         self.bar = tqdm(total=total_steps, initial=start_step, desc=run_name or "train", dynamic_ncols=True,
                         disable=None)  # None: a bar on a terminal, none in a log file
         self.total_steps = total_steps
@@ -36,10 +55,16 @@ class Logger:
                                     mode=os.environ.get("WANDB_MODE", "online" if has_account else "offline"))
 
     def log(self, metrics: dict, step: int, advance: bool = True) -> None:
+        """Collective where a process group exists (every rank calls it; rank 0 writes)."""
+        error = None
+        if self.enabled:
+            try:
+                write_row(self.file, (json.dumps({"step": step, **metrics}) + "\n").encode())
+            except OSError as e:
+                error = write_error(e, self.path, f"step {step}")
+        agree(error)
         if not self.enabled:
             return
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.file.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         if advance:
@@ -65,32 +90,94 @@ class Logger:
             self.wandb.finish()
 
 
+def agree(error: str | None) -> None:
+    """Collective where a process group of several ranks exists: rank 0's error (None: its write succeeded) raised
+    as LogWriteError on every rank, so that no rank waits in a collective that rank 0 will never join."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0)
+        error = shared[0]
+    if error:
+        raise LogWriteError(error)
+
+
+def write_error(e: OSError, path: str, when: str) -> str:
+    """`<when>: cannot write <path>: ...`, a full disk said as such."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{when}: cannot write {path}: no space left on {os.path.dirname(os.path.abspath(path))} ({e.strerror})"
+    return f"{when}: cannot write {path} ({e.strerror or e})"
+
+
+def write_row(file, data: bytes) -> None:
+    """All of data into the unbuffered file (os.write may write part of it: a nearly full disk)."""
+    view = memoryview(data)
+    while view:
+        view = view[file.write(view):]
+
+
+def record_config(run_dir: str, config: dict, start_step: int) -> str:
+    """Write the run's settings, atomically, and return the file's path: config.json for a new run; for a run
+    resumed at step S, config_resume_<S>.json (a second resume at S: ..._2.json), never over another record."""
+    if start_step == 0:
+        path = os.path.join(run_dir, "config.json")
+    else:
+        path = base = os.path.join(run_dir, f"config_resume_{start_step:06d}.json")
+        n = 1
+        while os.path.lexists(path):
+            n += 1
+            path = base.replace(".json", f"_{n}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(config, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+CONFIG_RESUME = re.compile(r"^config_resume_(\d+)(?:_(\d+))?\.json$")  # the files record_config writes at a resume
+
+
 def open_metrics(path: str, start_step: int):
-    """metrics.jsonl for appending. A resumed run keeps the rows up to its checkpoint's step and drops later ones,
-    which a crash left behind and the resumed run logs anew. A fresh run moves an old file aside to .prev."""
+    """metrics.jsonl for appending, unbuffered (each row one write: a failed write leaves nothing buffered to write
+    at exit). A resumed run keeps the rows up to its checkpoint's step and drops later ones, which a crash left
+    behind and the resumed run logs anew (a row torn by a crash mid-write, or a full disk, is dropped too; a last row
+    that lost only its newline gets it back). A fresh run moves an old file aside to .prev."""
     if os.path.exists(path):
         if start_step == 0:
             os.replace(path, path + ".prev")
             print(f"[log] {path} existed: moved to {path}.prev (use --resume latest to continue that run)")
         else:
-            with open(path) as f:
+            with open(path, encoding="utf-8", errors="replace") as f:
                 lines = f.readlines()
-            keep = [line for line in lines if _step(line) is not None and _step(line) <= start_step]
-            if len(keep) < len(lines):
+            keep = [line for line in lines if row_step(line) is not None and row_step(line) <= start_step]
+            if len(keep) < len(lines) or (keep and not keep[-1].endswith("\n")):
                 tmp = path + ".tmp"
                 with open(tmp, "w") as f:
-                    f.writelines(keep)
+                    f.writelines(line if line.endswith("\n") else line + "\n" for line in keep)
                 os.replace(tmp, path)
+            if len(keep) < len(lines):
                 print(f"[log] dropped {len(lines) - len(keep)} rows of metrics.jsonl logged after step {start_step}, "
-                      "the checkpoint resumed from")
-    return open(path, "a")
+                      "the checkpoint resumed from (or torn by a crash)")
+    return open(path, "ab", buffering=0)
 
 
-def _step(line: str) -> int | None:
+def row_step(line: str) -> int | None:
+    """The step of a metrics.jsonl row, or None for a row torn by a crash mid-write (or not a row)."""
     try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):  # a row torn by a crash mid-write
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
         return None
+    return step if isinstance(step, int) else None
+
+
+def rows_after(metrics_path: str, step: int) -> list[str]:
+    """The complete rows of a metrics.jsonl logged after `step`, each ending in a newline."""
+    if not os.path.isfile(metrics_path):
+        return []
+    with open(metrics_path, encoding="utf-8", errors="replace") as f:
+        return [line if line.endswith("\n") else line + "\n" for line in f
+                if (s := row_step(line)) is not None and s > step]
 
 
 def eta_s(intervals: list[float], steps_left: int) -> float | None:

@@ -8,40 +8,61 @@ import secrets
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from common.dist import reduce_stats
 from common.fsdp import decoder_layers
 from common.logprobs import collate
 from common.precision import DTYPES, precision_name
 
-def check_model_dir(path: str) -> None:
-    """Fail fast, before anything is loaded, on a model path that cannot be a Hugging Face model directory."""
+def check_model_dir(path: str, flag: str = "--model") -> None:
+    """Fail fast, before anything is loaded, on a model path that cannot be a Hugging Face model directory: the
+    directory, its config.json, its tokenizer files, every JSON file of it parsed, its safetensors weights complete.
+    flag names the path in the messages (--model; --resume for a checkpoint, which is loaded as one)."""
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"--model {path!r}: no such directory (give a local Hugging Face model directory)")
+        raise FileNotFoundError(f"{flag} {path!r}: no such directory (give a local Hugging Face model directory)")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"--model {path!r}: no config.json there, not a Hugging Face model directory")
+        raise FileNotFoundError(f"{flag} {path!r}: no config.json there, not a Hugging Face model directory")
     if not os.access(os.path.join(path, "config.json"), os.R_OK):
-        raise PermissionError(f"--model {path!r}: config.json is not readable")
+        raise PermissionError(f"{flag} {path!r}: config.json is not readable")
     # without them AutoTokenizer builds an empty tokenizer, silently, and the run crashes later inside the model
     if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        raise FileNotFoundError(f"--model {path!r}: no tokenizer files there ({', '.join(TOKENIZER_FILES)}); save "
+        raise FileNotFoundError(f"{flag} {path!r}: no tokenizer files there ({', '.join(TOKENIZER_FILES)}); save "
                                 "the tokenizer into the model directory (tokenizer.save_pretrained)")
+    # the configs, tokenizer and index: a damaged one otherwise fails inside transformers with a traceback
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".json") and os.path.isfile(os.path.join(path, name)):
+            problem = json_problem(os.path.join(path, name))
+            if problem:
+                raise ValueError(f"{flag} {path!r}: {name} is damaged: {problem}")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:
             with open(index) as f:
                 files = sorted(set(json.load(f)["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError):
-            raise ValueError(f"--model {path!r}: model.safetensors.index.json has no readable weight_map") from None
+            raise ValueError(f"{flag} {path!r}: model.safetensors.index.json has no readable weight_map") from None
         for name in files:
             if not os.path.isfile(os.path.join(path, name)):
-                raise FileNotFoundError(f"--model {path!r}: {name}, listed in model.safetensors.index.json, is missing")
+                raise FileNotFoundError(f"{flag} {path!r}: {name}, listed in model.safetensors.index.json, is missing")
     else:
         files = [name for name in ("model.safetensors",) if os.path.isfile(os.path.join(path, name))]
     for name in files:
         problem = safetensors_problem(os.path.join(path, name))
         if problem:
-            raise ValueError(f"--model {path!r}: {name} is {problem} (an interrupted copy or download?)")
+            raise ValueError(f"{flag} {path!r}: {name} is {problem} (an interrupted copy or download?)")
+
+
+def json_problem(path: str) -> str | None:
+    """Why the file at path is not JSON (its first error, where), or None."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    except json.JSONDecodeError as e:
+        return f"not JSON ({e.msg} at line {e.lineno} column {e.colno})"
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})"
+    return None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # any one: fast, sentencepiece, BPE
@@ -64,7 +85,13 @@ def safetensors_problem(path: str) -> str | None:
             return "not a safetensors file (its header is not one)"
     if 8 + n + end > size:
         return f"truncated: {size} bytes, its header describes {8 + n + end}"
+    try:  # the header's own rules (dtypes, shapes, offsets that tile the data), as the loader checks them
+        with safe_open(path, "pt"):
+            pass
+    except Exception as e:  # noqa: BLE001 -- safetensors' SafetensorError and whatever else a damaged header raises
+        return f"not a valid safetensors file ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
     return None
+
 
 
 def check_shared_dir(path: str, device) -> None:

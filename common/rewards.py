@@ -9,6 +9,7 @@ raises, runs past its time limit or returns anything but a finite number scores 
 """
 import re
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from fractions import Fraction
@@ -22,6 +23,7 @@ from workers import reward_pool
 PLUGIN_TIMEOUT_S = 5.0  # time limit of one call of a plug-in reward (--reward module:function), as math_reward's
 PROGRESS_EVERY_S = 10.0  # score_rollout(progress=True) prints a line this often while checking
 _verdicts = {}  # (pred, gold) -> 1.0/0.0. The same pairs recur a lot: a group of samples per prompt, epochs.
+_stopping = threading.Event()  # set on Ctrl-C during score_rollout: the process is on its way out
 
 
 # ----------------------------------------------------------------------------
@@ -170,7 +172,8 @@ def score_rollout(responses: list[str], answers: list[str], finished: list[bool]
         try:
             return fn(responses[i], answers[i])
         except Exception as e:  # noqa: BLE001 -- whatever a reward function raises, training goes on
-            _report_failure(e)
+            if not _stopping.is_set():  # (after a Ctrl-C: the checks killed on the way out are no failures)
+                _report_failure(e)
             return None
 
     rewards = [float(truncated_reward)] * len(responses)
@@ -190,14 +193,17 @@ def score_rollout(responses: list[str], answers: list[str], finished: list[bool]
             print(f"[reward] {len(verdicts)} of {len(todo)} responses checked in {shown - t0:.0f} s ({failed} "
                   "failed)", flush=True)
 
-    with ThreadPoolExecutor(max(n_threads, 1)) as pool:
+    pool = ThreadPoolExecutor(max(n_threads, 1))
+    try:
         futures = {pool.submit(check, i): i for i in todo}
-        try:
-            for future in as_completed(futures):
-                record(futures[future], future.result())
-        except BaseException:  # Ctrl-C: drop the checks not yet started rather than wait for them all
-            pool.shutdown(cancel_futures=True)
-            raise
+        for future in as_completed(futures):
+            record(futures[future], future.result())
+    except BaseException:  # Ctrl-C: stop the checks now rather than wait for them, and quietly
+        _stopping.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        reward_pool.kill_all()  # the checks in flight return at once (their worker is gone); none is reported
+        raise
+    pool.shutdown()
     failures = 0
     for i in todo:
         rewards[i] = 0.0 if verdicts[i] is None else float(verdicts[i])
@@ -229,22 +235,19 @@ _checked_plugins = set()  # specs check_reward accepted, so score_rollout need n
 
 def check_reward(kind: str) -> None:
     """Raise a one-line ValueError unless kind is math, exact, number, or a plug-in "module:function" whose module
-    imports (from sys.path, then the current directory, as in the workers) and whose function is callable. The
-    scripts call it before loading a model; it imports the plug-in's module into this process."""
+    imports (from sys.path, then the current directory) and whose function is callable. The scripts call it before
+    loading a model. A plug-in is imported in a worker process, as the calls will be, within
+    reward_pool.IMPORT_TIMEOUT_S: never in this process, so that a module which hangs (or does anything else) at
+    import cannot hang or change the training process."""
     if kind in _CHECKS or kind in _checked_plugins:
         return
     if not _PLUGIN_RE.fullmatch(kind):
         raise ValueError(f"--reward {kind!r}: unknown reward kind; choose {', '.join(_CHECKS)} or module:function "
                          "(e.g. my_rewards:score)")
-    added = [p for p in reward_pool.plugin_path() if p not in sys.path]
-    sys.path.extend(added)  # only while importing: the training process keeps its own import path
     try:
-        reward_pool.load_plugin(kind)
-    except Exception as e:  # noqa: BLE001 -- whatever the module raises on import, the user gets one line
+        reward_pool.check_plugin(kind)
+    except reward_pool.RewardFunctionError as e:  # whatever the module raises on import, the user gets one line
         raise ValueError(f"--reward {kind!r}: {' '.join(str(e).split())}") from None
-    finally:
-        for p in added:
-            sys.path.remove(p)
     _checked_plugins.add(kind)
 
 

@@ -1,19 +1,61 @@
 """The run directory holds one run, and one run at a time uses it (docs/faults.md, "The run directory"); its
 checkpoints, as a script saves and resumes them (docs/checkpoints.md)."""
 import fcntl
+import json
 import os
 import shutil
 import socket
 
 import torch.distributed as dist
 
-from common.checkpoint import (find_resume_dir, load_training_state, rng_state, save_checkpoint, set_aside_newer,
-                               set_rng_state)
+from common import checkpoint
+from common.checkpoint import find_resume_dir, load_training_state, rng_state, set_aside_newer, set_rng_state
+from common import exits
+from common.config import check_resume_config
+from common.logger import CONFIG_RESUME
 from common.preflight import check_shared_dir
 
-RUN_FILES = ("config.json", "metrics.jsonl", "metrics.jsonl.prev", "metrics.jsonl.tmp", "checkpoints",
-             "critic_checkpoints", "wandb")  # what the scripts and their logger write
+RUN_FILES = ("config.json", "config.json.tmp", "metrics.jsonl", "metrics.jsonl.prev", "metrics.jsonl.tmp",
+             "checkpoints", "critic_checkpoints", "wandb")  # what the scripts and their logger write
 LOCK_FILE = ".lock"
+# A Hugging Face model's files: a directory holding any of them is a model's, never a run's (a run's models are in
+# its checkpoints/ subdirectories)
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+               "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+RUN_CONFIG_KEYS = ("exp_name", "seed", "num_steps")  # in every script's config.json (with "script" since it is kept)
+
+
+def run_files(run_dir: str) -> list[str]:
+    """The names of a run's files in run_dir (RUN_FILES, and the config_resume_*.json of its resumes)."""
+    try:
+        names = os.listdir(run_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(name for name in names if name in RUN_FILES or CONFIG_RESUME.match(name.removesuffix(".tmp")))
+
+
+def not_a_run(run_dir: str) -> str | None:
+    """Why run_dir holds something that is not a run (a model's files, a config.json that is not a run's), or None.
+    Such a directory is never written into or cleared: --overwrite would delete what is not ours."""
+    models = [name for name in MODEL_FILES if os.path.lexists(os.path.join(run_dir, name))]
+    config = os.path.join(run_dir, "config.json")
+    if os.path.isfile(config):
+        try:
+            with open(config, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):  # (UnicodeDecodeError is a ValueError)
+            data = None
+        if not isinstance(data, dict):
+            return "its config.json is not a run's (not a JSON object)" + (f"; it holds {', '.join(models)}" if
+                                                                          models else "")
+        if "model_type" in data or "architectures" in data:
+            return f"it holds a model (config.json of a Hugging Face model{', ' if models else ''}{', '.join(models)})"
+        if "script" not in data and not all(key in data for key in RUN_CONFIG_KEYS):
+            return (f"its config.json is not a run's (no {', '.join(('script',) + RUN_CONFIG_KEYS)} keys)"
+                    + (f"; it holds {', '.join(models)}" if models else ""))
+    if models:
+        return f"it holds a model ({', '.join(models)})"
+    return None
 
 
 class RunDir:
@@ -22,24 +64,41 @@ class RunDir:
     {folder in it ("" for its root): (model, optimizer, {name: an object with state_dict() and load_state_dict()})},
     and the random streams (this process's and the sampler's generator). Collective: every rank builds it."""
 
-    def __init__(self, path: str, infra, device):
-        self.path, self.keep_last = path, infra.keep_last
+    def __init__(self, path: str, infra, device, config: dict):
+        """Nothing in the directory changes here: a new run removes an old one (--overwrite) and a resume from an
+        older step sets the later checkpoints aside in start(), once every input has been read and checked. config:
+        the run's settings (common.config.run_config), which a resume must match (check_resume_config) and every
+        checkpoint records."""
+        self.path, self.keep_last, self.config, self.overwrite = path, infra.keep_last, config, infra.overwrite
         self.checkpoints = os.path.join(path, "checkpoints")
         self.lock = claim_run_dir(path, infra.resume is not None, infra.overwrite)  # rank 0 holds it for the run
         check_shared_dir(path, device)  # every rank writes its shards into the checkpoints: fail now, not at a save
+        exits.progress.ckpt_root = None if infra.overwrite else self.checkpoints  # (the message on Ctrl-C)
         self.resume_dir = find_resume_dir(infra.resume, self.checkpoints) if infra.resume else None
+        if self.resume_dir:  # the settings that define the run must be the checkpoint's (--accept-changes: on purpose)
+            check_resume_config(self.resume_dir, path, config, infra.accept_changes)
+
+    def start(self, step: int) -> None:
+        """Collective. Every input is read and checked: only now does the directory change. --overwrite removes the
+        old run (clear_run_dir); a resume from an older step moves the later checkpoints, and their rows of the log,
+        aside (set_aside_newer)."""
+        if self.overwrite:
+            clear_run_dir(self.path)
+        if self.resume_dir:
+            set_aside_newer(self.checkpoints, step, os.path.join(self.path, "metrics.jsonl"))
+        exits.progress.ckpt_root = self.checkpoints
 
     def save(self, step: int, tokenizer, parts: dict, sampler) -> str:
         """Collective: save_checkpoint of every part and stream."""
-        return save_checkpoint(self.checkpoints, step, tokenizer,
-                               {folder: (model, optimizer, {name: obj.state_dict() for name, obj in state.items()})
-                                for folder, (model, optimizer, state) in parts.items()},
+        states = {folder: (model, optimizer, {name: obj.state_dict() for name, obj in state.items()})
+                  for folder, (model, optimizer, state) in parts.items()}
+        states[""][2]["config"] = self.config  # the settings it was trained with, which a resume is checked against
+        return checkpoint.save_checkpoint(self.checkpoints, step, tokenizer, states,
                                rng_state(getattr(sampler, "generator", None)), self.keep_last)
 
     def load(self, parts: dict, sampler) -> int:
         """Collective. Restore every part's optimizer and state objects and the random streams from resume_dir (its
-        weights come with building the models from it), set the checkpoints of later steps aside (set_aside_newer),
-        and return its step; 0 without --resume."""
+        weights come with building the models from it), and return its step; 0 without --resume."""
         if self.resume_dir is None:
             return 0
         for folder, (model, optimizer, state) in parts.items():
@@ -52,43 +111,72 @@ class RunDir:
                     set_rng_state(rank_state, getattr(sampler, "generator", None))
         if dist.get_rank() == 0:
             print(f"[resume] from {self.resume_dir} at step {step}", flush=True)
-        set_aside_newer(self.checkpoints, step)  # from an older step: the later checkpoints are moved aside
         return step
 
 
 def claim_run_dir(run_dir: str, resume: bool, overwrite: bool):
-    """Collective (where a process group exists). Make run_dir, lock it and check it holds no other run (overwrite:
-    remove that run's files); ValueError, one line, on every rank otherwise (docs/faults.md). Returns the lock on
-    rank 0 (an open file: keep a reference to it for the whole run), None elsewhere."""
+    """Collective (where a process group exists). Make run_dir, lock it and check that it holds no other run (with
+    overwrite: that the run there may be removed, which clear_run_dir does once every input is checked) and nothing
+    that is not a run; ValueError, one line, on every rank otherwise (docs/faults.md). Nothing is removed here.
+    Returns the lock on rank 0 (an open file: keep a reference to it for the whole run), None elsewhere."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     lock, error = None, None
     if rank == 0:
         try:
             lock = _lock(run_dir)
-            found = [name for name in RUN_FILES if os.path.lexists(os.path.join(run_dir, name))]
-            if found and overwrite:
-                for name in found:
-                    path = os.path.join(run_dir, name)
-                    if os.path.isdir(path) and not os.path.islink(path):
-                        shutil.rmtree(path)
-                    else:
-                        os.remove(path)
-                print(f"[run-dir] --overwrite: removed {', '.join(found)} from {run_dir}", flush=True)
+            foreign = not_a_run(run_dir)
+            found = run_files(run_dir)
+            if foreign:
+                error = (f"--run-dir {run_dir!r}: {foreign}: a run's files would mix with it (and --overwrite would "
+                         "delete it); give another --run-dir")
+            elif found and overwrite:
+                print(f"[run-dir] --overwrite: the run in {run_dir} ({', '.join(found)}) is removed once this run's "
+                      "inputs are read and checked", flush=True)
             elif found and not resume:
                 how = ": continue it with --resume latest, " if "checkpoints" in found else " that saved no checkpoint: "
                 error = (f"--run-dir {run_dir!r} holds another run ({', '.join(found)}){how}remove it with "
                          "--overwrite, or give another --run-dir")
         except (ValueError, OSError) as e:
             error = str(e) if isinstance(e, ValueError) else f"--run-dir {run_dir!r}: {e.strerror or e}"
-    if dist.is_initialized() and dist.get_world_size() > 1:  # every rank stops with the same line, or none does
-        shared = [error]
-        dist.broadcast_object_list(shared, src=0)
-        error = shared[0]
+    error = _same_on_every_rank(error)
     if error:
         if lock is not None:
             lock.close()
         raise ValueError(error)
     return lock
+
+
+def clear_run_dir(run_dir: str) -> None:
+    """Collective. --overwrite: remove the run's files from run_dir (claimed with claim_run_dir, so locked and known
+    to hold a run), keeping any other file (a log teed there). Called once every input of the new run has been read
+    and checked: a new run that stops on bad input leaves the old one as it was. ValueError on every rank when a file
+    cannot be removed."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    error = None
+    if rank == 0:
+        found = run_files(run_dir)
+        try:
+            for name in found:
+                path = os.path.join(run_dir, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+            if found:
+                print(f"[run-dir] --overwrite: removed {', '.join(found)} from {run_dir}", flush=True)
+        except OSError as e:
+            error = f"--overwrite: cannot remove the old run's {e.filename or run_dir}: {e.strerror or e}"
+    error = _same_on_every_rank(error)
+    if error:
+        raise ValueError(error)
+
+
+def _same_on_every_rank(error: str | None) -> str | None:
+    if dist.is_initialized() and dist.get_world_size() > 1:  # every rank stops with the same line, or none does
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0)
+        error = shared[0]
+    return error
 
 
 def _lock(run_dir: str):

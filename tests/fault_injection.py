@@ -6,16 +6,25 @@ MODE nan: every loss is NaN (a broken model or loss; in fp16, an overflow every 
      reward: every other reward check raises; reward-all: every reward check raises (a broken reward function);
      mismatch: the sampler's log-probs are all lowered by 1 (a mismatch that jumps); nan-logprob: the sampler's
      log-probs of one response are NaN; save-enospc: rank 0's disk is full while it writes model.safetensors of the
-     checkpoint of step FROM_STEP or later. Exits as the script's own __main__ would: 3 on a TrainingFault."""
+     checkpoint of step FROM_STEP or later; save-sigint-<phase>: rank 0 gets a SIGINT (sent to itself, so at a known
+     point) in a phase of the save of step FROM_STEP or later: rng (its RNG file), dcp (before the optimizer's
+     shards), weights (before model.safetensors), rename (at the fsync after the rename); save-dcp-raise: rank 0's
+     DCP writer raises KeyboardInterrupt (as a Ctrl-C landing inside DCP did before saves held it); log-enospc: the
+     disk is full while metrics.jsonl gets the row of step FROM_STEP (half of the row is written: a torn row);
+     import-timeout: a plug-in's module must import within 2 s. Exits as the script's own __main__ does
+     (common/exits.py: 2, 3, 130)."""
 import errno
 import importlib
+import json
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common.checkpoint
 import common.dist
+import common.exits
 import common.logger
 import common.precision
 import common.rewards
@@ -76,13 +85,71 @@ elif mode == "save-enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
         return write_safetensors(path, entries, first_then_full(), *a, **k)
     common.checkpoint.write_safetensors = full_disk
+elif mode.startswith("save-sigint-") or mode == "save-dcp-raise":
+    saving = {"step": 0}
+    save_checkpoint = common.checkpoint.save_checkpoint
+    def save_and_note(root, step, *a, **k):  # noqa: E306
+        saving["step"] = step
+        return save_checkpoint(root, step, *a, **k)
+    common.checkpoint.save_checkpoint = save_and_note
+
+    def armed():
+        return saving["step"] >= from_step and common.checkpoint.dist.get_rank() == 0
+
+    def ctrl_c():  # delivered before os.kill returns; Python runs the handler at the next bytecode
+        os.kill(os.getpid(), signal.SIGINT)
+    phase = mode.removeprefix("save-sigint-")
+    if phase == "rng":
+        write_json = common.checkpoint.write_json
+        def write_json_interrupted(path, *a, **k):  # noqa: E306
+            if armed() and os.path.basename(path).startswith("rng_rank"):
+                ctrl_c()
+            return write_json(path, *a, **k)
+        common.checkpoint.write_json = write_json_interrupted
+    elif phase == "dcp":
+        dcp_save = common.checkpoint.dcp.save
+        def dcp_save_interrupted(*a, **k):  # noqa: E306
+            if armed():
+                ctrl_c()
+            return dcp_save(*a, **k)
+        common.checkpoint.dcp.save = dcp_save_interrupted
+    elif phase == "weights":
+        write_safetensors = common.checkpoint.write_safetensors
+        def write_safetensors_interrupted(*a, **k):  # noqa: E306
+            if armed():
+                ctrl_c()
+            return write_safetensors(*a, **k)
+        common.checkpoint.write_safetensors = write_safetensors_interrupted
+    elif phase == "rename":
+        fsync_dir = common.checkpoint.fsync_dir
+        def fsync_dir_interrupted(path):  # noqa: E306
+            if armed() and os.path.basename(path) == "checkpoints":  # just after the rename into place
+                ctrl_c()
+            return fsync_dir(path)
+        common.checkpoint.fsync_dir = fsync_dir_interrupted
+    elif mode == "save-dcp-raise":
+        import torch.distributed.checkpoint.filesystem as dcp_filesystem
+        write_item = dcp_filesystem._write_item
+        def write_item_interrupted(*a, **k):  # noqa: E306
+            if armed():
+                raise KeyboardInterrupt
+            return write_item(*a, **k)
+        dcp_filesystem._write_item = write_item_interrupted
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+elif mode == "log-enospc":
+    write_row = common.logger.write_row
+    def full_disk_row(file, data):  # noqa: E306
+        if json.loads(data).get("step", 0) >= from_step and "train/accuracy" in json.loads(data):
+            write_row(file, data[:len(data) // 2])  # part of the row fits, then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_row(file, data)
+    common.logger.write_row = full_disk_row
+elif mode == "import-timeout":
+    import workers.reward_pool
+    workers.reward_pool.IMPORT_TIMEOUT_S = 2.0
 else:
     raise SystemExit(f"unknown mode {mode!r}")
 
 module = importlib.import_module(script.removesuffix(".py"))
-try:
-    module.main(module.parse_args(argv))
-    common.dist.cleanup_distributed()  # as the scripts' __main__ does, after main()
-except common.precision.TrainingFault as e:
-    print(f"{script}: error: {e}", file=sys.stderr)
-    sys.exit(3)
+common.exits.run(lambda: module.main(module.parse_args(argv)), script)

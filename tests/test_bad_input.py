@@ -122,11 +122,14 @@ def test_out_of_range_value_exits_2_before_a_model_loads(name, tmp_path):
 # run directories: one run per directory, one at a time
 
 
+RUN_CONFIG = {"script": "grpo.py", "exp_name": "grpo", "seed": 1, "num_steps": 5}  # what a run's config.json holds
+
+
 def old_run(path):
     """What a finished run leaves, and a log a user tees into the directory."""
     os.makedirs(path / "checkpoints" / "step_000005")
     (path / "checkpoints" / "step_000005" / "trainer_state.json").write_text('{"step": 5}')
-    (path / "config.json").write_text("{}")
+    (path / "config.json").write_text(json.dumps(RUN_CONFIG))
     (path / "metrics.jsonl").write_text('{"step": 5}\n')
     (path / "train.log").write_text("old log\n")
 
@@ -142,27 +145,40 @@ def test_a_new_run_refuses_a_directory_holding_another_run(name, tmp_path):
 
 
 def test_overwrite_removes_the_old_run_and_keeps_other_files(tmp_path):
+    """--overwrite removes the old run only once the new run's inputs are read and checked: a bad dataset stops the
+    new run and leaves the old one as it was (before, it was gone by then); with good inputs the old run's files go
+    and the other files of the directory stay."""
     from common.rundir import LOCK_FILE
     old_run(tmp_path)
     (tmp_path / "empty.jsonl").write_text("")
-    # --overwrite takes effect before the data loads: a bad dataset then stops the run, with the old run gone
     p = run("grpo.py", "--run-dir", str(tmp_path), "--overwrite", "--dataset", str(tmp_path / "empty.jsonl"))
     assert_one_line_error(p, 2, "the dataset is empty")
-    assert sorted(os.listdir(tmp_path)) == [LOCK_FILE, "empty.jsonl", "train.log"]
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 5}\n'
+    assert os.path.isdir(tmp_path / "checkpoints" / "step_000005")
+    p = run("grpo.py", "--run-dir", str(tmp_path), "--overwrite", "--num-steps", "1", *SMALL)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "[run-dir] --overwrite: removed checkpoints, config.json, metrics.jsonl" in p.stdout
+    assert sorted(os.listdir(tmp_path)) == [LOCK_FILE, "checkpoints", "config.json", "empty.jsonl", "metrics.jsonl",
+                                            "train.log"]
+    assert os.listdir(tmp_path / "checkpoints") == ["step_000001"] and json.loads(
+        (tmp_path / "config.json").read_text())["num_steps"] == 1
 
 
 def test_claim_run_dir_rules(tmp_path):
-    from common.rundir import LOCK_FILE, claim_run_dir
+    from common.rundir import LOCK_FILE, claim_run_dir, clear_run_dir
     d = str(tmp_path / "run")
     lock = claim_run_dir(d, resume=False, overwrite=False)  # made, locked
     with pytest.raises(ValueError, match="another run is using it"):
         claim_run_dir(d, resume=True, overwrite=False)  # a second claim: refused while the first holds the lock
     lock.close()
-    (tmp_path / "run" / "config.json").write_text("{}")
+    (tmp_path / "run" / "config.json").write_text(json.dumps(RUN_CONFIG))
     with pytest.raises(ValueError, match="holds another run"):
         claim_run_dir(d, resume=False, overwrite=False)
     claim_run_dir(d, resume=True, overwrite=False).close()  # resuming continues the run that is there
-    claim_run_dir(d, resume=False, overwrite=True).close()
+    lock = claim_run_dir(d, resume=False, overwrite=True)  # claimed, nothing removed yet
+    assert sorted(os.listdir(d)) == [LOCK_FILE, "config.json"]
+    clear_run_dir(d)  # once the new run's inputs are checked
+    lock.close()
     assert os.listdir(d) == [LOCK_FILE]
 
 
@@ -312,7 +328,9 @@ def test_ctrl_c_says_where_it_stopped_and_how_to_resume(name, tmp_path):
         proc.wait()
     logged += [int(m.group(1)) for m in re.finditer(r"^step (\d+) \|", out, re.M)]
     assert proc.returncode == 130, err[-3000:]
-    m = re.search(rf"^{name}: interrupted at step (\d+); resume with --resume latest$", err, re.M)
+    # (--save-every 0: no checkpoint to resume from, which the message says)
+    how = ", before the run's first checkpoint: nothing to resume; start it again with --overwrite"
+    m = re.search(rf"^{name}: interrupted at step (\d+){re.escape(how)}$", err, re.M)
     assert m, err[-3000:]
     # the step in progress: the last one logged, or the next one if it had begun
     assert int(m.group(1)) in (logged[-1], logged[-1] + 1), (m.group(0), logged)

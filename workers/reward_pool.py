@@ -23,7 +23,8 @@ from functools import lru_cache
 
 NUM_WORKERS = min(8, os.cpu_count() or 1)  # processes (and threads of common/rewards.py's score_rollout)
 _KILL_GRACE_S = 1.0  # extra wait past the in-worker timer before we kill the worker
-_START_TIMEOUT_S = 120.0  # a fresh worker must import sympy/math-verify within this (and a plug-in its module)
+_START_TIMEOUT_S = 120.0  # a fresh worker must import sympy/math-verify within this
+IMPORT_TIMEOUT_S = 60.0  # a plug-in's module must import within this, in a worker (the worker's timer, then a kill)
 _WORKER_MEM_BYTES = 4 << 30  # address-space cap per worker: a runaway bignum gets MemoryError, not the OOM killer
 
 
@@ -61,12 +62,32 @@ def load_plugin(spec: str):
     return fn
 
 
+def check_plugin(spec: str) -> None:
+    """Import the plug-in's module and find its function in a worker, as the calls will: RewardFunctionError if that
+    fails or does not finish within IMPORT_TIMEOUT_S (a module that waits on something at import cannot hang the
+    training process: it never imports the module itself)."""
+    reply = _ask({"kind": "load", "spec": spec, "path": plugin_path()}, 0, lambda r: r == "loaded" or r[:1] == "{")
+    if reply is None or reply == "import-timeout":
+        raise _import_timeout(spec)
+    if reply != "loaded":
+        out = json.loads(reply)
+        raise RewardFunctionError(out["error"], out["message"])
+
+
+def _import_timeout(spec: str) -> RewardFunctionError:
+    return RewardFunctionError("TimeoutError", f"importing {spec.split(':')[0]} did not finish within "
+                               f"{IMPORT_TIMEOUT_S:g} s (IMPORT_TIMEOUT_S in workers/reward_pool.py): does the "
+                               "module wait on something when imported?")
+
+
 def call_plugin(spec: str, response: str, answer: str, timeout_s: float) -> float:
     """fn(response, answer) of the plug-in, called in a worker; RewardFunctionError if the call raised, ran past
     timeout_s or returned a non-number."""
     job = {"kind": "plugin", "spec": spec, "path": plugin_path(), "response": str(response), "answer": str(answer),
            "timeout": timeout_s}
     reply = _ask(job, timeout_s + _KILL_GRACE_S, lambda r: r == "timeout" or r.startswith("{"))
+    if reply == "import-timeout":
+        raise _import_timeout(spec)
     if reply is None:
         raise RewardFunctionError("WorkerKilled", f"{spec} did not return within {timeout_s:g} s, even when told "
                                   "to stop, or crashed its worker (the worker was replaced)")
@@ -118,11 +139,17 @@ def _close_pipes(proc: subprocess.Popen) -> None:
 
 
 @atexit.register
-def _kill_all() -> None:
+def kill_all() -> None:
+    """Kill every worker (at exit; on Ctrl-C, so that the threads waiting on them return at once)."""
     with _live_lock:
         procs = list(_live)
     for proc in procs:
         _kill(proc)
+    while True:  # the idle ones are dead now: a later job starts a fresh worker
+        try:
+            _idle.get_nowait()
+        except queue.Empty:
+            break
 
 
 def _forget_workers() -> None:
@@ -151,7 +178,9 @@ def _read_line(proc: subprocess.Popen, timeout_s: float) -> str | None:
 
 def _ask(job: dict, wait_s: float, valid) -> str | None:
     """Send one job to an idle worker (a fresh one if none is idle) and return its reply line, or None if it did
-    not answer within wait_s or died. valid(reply) says whether the worker is in a state to be reused."""
+    not answer within wait_s or died. valid(reply) says whether the worker is in a state to be reused. A plug-in's
+    job first has the worker import the module ("loaded", an error reply, or "import-timeout"), which a job of kind
+    "load" asks for alone."""
     try:
         proc = _idle.get_nowait()
     except queue.Empty:
@@ -160,13 +189,19 @@ def _ask(job: dict, wait_s: float, valid) -> str | None:
     reply = None
     try:
         if spec is not None and spec not in proc.plugins:
-            # a request of its own: the worker imports the plug-in's module untimed (it may be slow), so that
-            # the call's time limit is the call's. One request at a time keeps one reply line in flight.
-            reply = _send(proc, {"kind": "load", "spec": spec, "path": job["path"]}, _START_TIMEOUT_S)
+            # a request of its own, under its own time limit (the worker's timer, then our deadline), so that the
+            # call's time limit is the call's. One request at a time keeps one reply line in flight.
+            reply = _send(proc, {"kind": "load", "spec": spec, "path": job["path"], "timeout": IMPORT_TIMEOUT_S},
+                          IMPORT_TIMEOUT_S + _KILL_GRACE_S)
             if reply != "loaded":
-                return reply  # the import failed there (an error reply), or the worker is stuck or dead (None)
+                return reply  # the import failed there (an error reply), timed out, or the worker is stuck or dead
             proc.plugins.add(spec)
+            if job["kind"] == "load":
+                return reply
             reply = None
+        elif job["kind"] == "load":
+            reply = "loaded"
+            return reply
         reply = _send(proc, job, wait_s)
     except OSError:  # broken pipe: the worker had died
         pass
@@ -242,9 +277,12 @@ def _plugin_job_here(job: dict) -> str:
     """The reply to a plug-in job: "loaded" (kind load) or the score as {"score": float} (kind plugin); else
     {"error": type name, "message": ...}, or "timeout"."""
     try:
-        if job["spec"] not in _plugins:  # not timed: the parent allows for a slow import
+        if job["spec"] not in _plugins:
             sys.path.extend(p for p in job["path"] if p not in sys.path)  # at the end: the stdlib is never shadowed
-            _plugins[job["spec"]] = load_plugin(job["spec"])
+            try:
+                _plugins[job["spec"]] = _timed(job.get("timeout", _START_TIMEOUT_S), load_plugin, job["spec"])
+            except _CheckTimeout:
+                return "import-timeout"  # (the parent kills this worker: an import stopped half-way)
         if job["kind"] == "load":
             return "loaded"
         score = _timed(job["timeout"], _plugins[job["spec"]], job["response"], job["answer"])

@@ -1,0 +1,134 @@
+"""What a run uses: the line said at start (every value that differs from the script's Args defaults, and where it
+came from), the record of its settings (run_config), and what a resume may change (check_resume_config)."""
+import dataclasses
+import json
+import os
+
+from common.checkpoint import read_json
+from common.dist import print0
+from common.logger import CONFIG_RESUME
+
+
+def flat_fields(obj) -> dict:
+    """A dataclass instance's fields as one flat dict; a nested dataclass field (a group of flags) is flattened."""
+    out = {}
+    for key, value in (obj if isinstance(obj, dict) else dataclasses.asdict(obj)).items():
+        out.update(flat_fields(value) if isinstance(value, dict) else {key: value})
+    return out
+
+
+def _show(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return " ".join(_show(v) for v in value) or "()"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def config_changes(args, defaults, preset: dict, preset_name: str) -> str:
+    """One line: the fields of `args` that differ from `defaults` (dataclass instances of the same class), those
+    equal to `preset`'s value marked as the preset's, the others as the command line's."""
+    now, base = flat_fields(args), flat_fields(defaults)
+    changed = {k: v for k, v in now.items() if v != base[k]}
+    from_preset = [f"{k} {_show(v)}" for k, v in changed.items() if k in preset and v == preset[k]]
+    from_cli = [f"{k} {_show(v)}" for k, v in changed.items() if not (k in preset and v == preset[k])]
+    parts = ([f"{preset_name}: {', '.join(from_preset)}"] if from_preset else []) + \
+        ([f"command line: {', '.join(from_cli)}"] if from_cli else [])
+    return "[config] Args' defaults" + (", except: " + "; ".join(parts) if parts else "")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What a run is, and what a resume may change (docs/faults.md, "Resuming with other settings")
+
+# The settings a resume may change without --accept-changes: how long the run goes on and how often it evaluates and
+# saves, how it is evaluated and logged, where and how fast it runs (memory, speed, the sampler's engine), when it
+# stops for faults, and the learning rate (changed by hand, as a schedule; said at start like every change). Every
+# other setting defines what the run computes (the script, model, data, seed, batch shape, precision, the
+# algorithm's flags): changing one on resume makes a different run under the same name.
+RESUME_MAY_CHANGE = frozenset({
+    "num_steps", "eval_every", "save_every", "keep_last",
+    "eval_dataset", "eval_k", "eval_temperature", "eval_top_p", "eval_max_problems",
+    "exp_name", "run_dir", "track", "wandb_project",
+    "sampler", "sampler_batch_size", "vllm_tp", "vllm_gpu_memory_utilization", "vllm_kv_cache_gib",
+    "vllm_sleep_level", "micro_batch_tokens", "logprob_chunk", "gradient_checkpointing", "cpu_offload", "compile",
+    "max_skipped_steps", "kl_warn_factor",
+    "lr", "critic_lr",
+    "resume", "overwrite", "accept_changes",
+})
+
+
+def run_config(script_file: str, args) -> dict:
+    """What config.json records of a run: the script's file name and every field of its Args, as JSON values."""
+    config = {"script": os.path.basename(script_file), **flat_fields(args)}
+    return json.loads(json.dumps(config, default=str))  # tuples as lists: as the file reads back
+
+
+def recorded_config(resume_dir: str, run_dir: str) -> tuple[dict | None, str]:
+    """The settings the checkpoint at resume_dir was trained with, and where they were found: its trainer_state.json
+    (the scripts save them there), else the newest record in run_dir at or before its step (config_resume_<S>.json
+    of a resume at S, or config.json). (None, "") when there is none (a checkpoint of an older version, copied
+    without its run)."""
+    state = read_json(os.path.join(resume_dir, "trainer_state.json"), "--resume")
+    if isinstance(state.get("config"), dict):
+        return state["config"], os.path.join(resume_dir, "trainer_state.json")
+    step = state.get("step", 0)
+    records = []
+    for name in (os.listdir(run_dir) if os.path.isdir(run_dir) else []):
+        if (m := CONFIG_RESUME.match(name)) and int(m.group(1)) <= step:
+            records.append(((int(m.group(1)), int(m.group(2) or 1)), name))
+    name = max(records)[1] if records else "config.json"
+    path = os.path.join(run_dir, name)
+    if not os.path.isfile(path):
+        return None, ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None, ""
+    return (config, path) if isinstance(config, dict) else (None, "")
+
+
+def resume_changes(recorded: dict, config: dict) -> dict[str, tuple]:
+    """{field: (recorded value, value now)} for every field whose value differs. A field the record lacks is new
+    since it was written (a flag added to the code): not compared. A field only the record has belongs to another
+    script's Args: a difference. "script" is compared only when the record has it (older runs did not keep it)."""
+    changes = {}
+    for key in sorted(set(recorded) | set(config)):
+        if key not in recorded:
+            continue
+        now = config.get(key, "(absent)")
+        if recorded[key] != now:
+            changes[key] = (recorded[key], now)
+    return changes
+
+
+def _show_change(key, old, new) -> str:
+    return f"{key} {_show(old) if old is not None else 'None'} -> {_show(new) if new is not None else 'None'}"
+
+
+def check_resume_config(resume_dir: str, run_dir: str, config: dict, accept_changes: bool) -> dict[str, tuple]:
+    """Compare a resume's settings (run_config) with those the checkpoint was trained with (recorded_config), before
+    anything is loaded or written. A change to a setting that defines the run is refused with one line naming each
+    difference, unless accept_changes (--accept-changes); the others (RESUME_MAY_CHANGE) are allowed. Every change is
+    said at start; the resumed run's settings are then recorded in config_resume_<step>.json beside config.json
+    (common/logger.py). Returns the changes."""
+    recorded, source = recorded_config(resume_dir, run_dir)
+    if recorded is None:
+        print0(f"[resume] no record of the settings {resume_dir} was trained with (a checkpoint of an older version, "
+               "away from its run directory): they are not compared with this run's")
+        return {}
+    changes = resume_changes(recorded, config)
+    defining = {k: v for k, v in changes.items() if k not in RESUME_MAY_CHANGE}
+    said = ", ".join(_show_change(k, *v) for k, v in defining.items())
+    if defining and not accept_changes:
+        raise ValueError(f"--resume: settings that define the run differ from those the checkpoint was trained with "
+                         f"({source}): {said}; resume with the run's values, or add --accept-changes to continue "
+                         "with these on purpose (each change is recorded in the run directory)")
+    allowed = ", ".join(_show_change(k, *v) for k, v in changes.items() if k in RESUME_MAY_CHANGE and k not in (
+        "resume", "overwrite", "accept_changes"))
+    if allowed:
+        print0(f"[resume] changed since the checkpoint's settings ({source}): {allowed}")
+    if defining:
+        print0(f"[resume] --accept-changes: continuing with settings that define the run changed: {said}")
+    if "script" not in recorded:
+        print0(f"[resume] {source} does not name the script the run was trained with (an older version): not "
+               "compared")
+    return changes
