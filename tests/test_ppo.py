@@ -334,9 +334,11 @@ def test_ppo_cpu_offload_changes_nothing_on_cpu(tmp_path):
 
 def test_resume_without_the_critic_checkpoint_fails_clearly(tmp_path):
     """A checkpoint without critic/ (an older ppo.py kept the critic in critic_checkpoints/): one line, exit 2."""
+    from conftest import make_tiny_model_dir
     run_dir = tmp_path / "run"
-    (run_dir / "checkpoints" / "step_000001").mkdir(parents=True)
-    (run_dir / "checkpoints" / "step_000001" / "trainer_state.json").write_text('{"step": 1}')
+    step = run_dir / "checkpoints" / "step_000001"  # the policy's part as it was: a model directory + its state
+    make_tiny_model_dir(str(step))
+    (step / "trainer_state.json").write_text('{"step": 1}')
     p = run([sys.executable, "ppo.py", "--run-dir", str(run_dir), "--resume", "latest"])
     assert p.returncode == 2
     assert "critic_checkpoints" in p.stderr and "not a complete checkpoint" in p.stderr, p.stderr[-2000:]
