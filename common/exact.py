@@ -673,7 +673,8 @@ def describe(plan: ExactPlan, facts: dict) -> str:
             f"{facts['runner']}, {attention} on {facts['block_size']}-token pages, RMSNorm patch "
             f"{'on' if plan.rmsnorm_patch else 'off'}; the trainer calls the same kernels "
             f"({'fused' if plan.fused else 'per-projection'} q/k/v and gate/up, {'paged' if plan.paged else 'packed'} "
-            "K/V)")
+            "K/V)" + ("; NOT bitwise: compiled vLLM's forward differs from the ops the trainer calls (on one H100, "
+                       "kl_k3 1.6e-5 at bf16 against 0 eager: docs/exact.md)" if plan.graphs else ""))
 
 
 def enable_exact(model, plan: ExactPlan, facts: dict) -> ExactForward:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.exact import (PINNED_VLLM, SUPPORTED, ExactForward, ExactPlan, Pack, TorchKernels, _Attention, _Linear,
-                          _RMSNorm, _Rope, _SiluAndMul, _Temperature, _TokenLogprob, check_exact, engine_kwargs,
+                          _RMSNorm, _Rope, _SiluAndMul, _Temperature, _TokenLogprob, check_exact, describe, engine_kwargs,
                           fused_add_rms_norm_fixed, install_rmsnorm_patch, padded_sdpa, paged, prepare_vllm_process,
                           remove_rmsnorm_patch, rope_cache, verify_engine)
 
@@ -210,6 +210,9 @@ def test_engine_arguments_and_the_engine_check():
                       ({"window": (4095, 0)}, "attention window")]:
         with pytest.raises(RuntimeError, match=says):
             verify_engine(plan, {**facts, **bad})
+    facts.update(block_size=16)
+    assert "NOT bitwise" not in describe(plan, facts)  # the start-up line says what the GPU probe measured
+    assert "NOT bitwise" in describe(ExactPlan(head_dim=128, attention="FLASH_ATTN", graphs=True), facts)
 
 
 # ---------------------------------------------------------------------------------------------------------------
