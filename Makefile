@@ -8,6 +8,10 @@
 # make sanity-real  the study's grid on the real model on one GPU with vLLM (docs/results.md: its results)
 # make sanity-cot   Qwen2.5 Coder 1.5B (MODEL= another) on the multi-step problems: its perfectible set, then grpo.py
 #                  at fp16 and bf16 side by side on one GPU with vLLM (docs/real-models.md)
+# make reward-model   the built-in task's reward model (once, about a minute), then grpo.py against it (a few
+#                    minutes on a CPU; docs/reward-models.md)
+# make reward-model-real   a learned reward on the real model on one GPU with vLLM: pairs from its own samples on the
+#                  word problems, a reward model trained on them, grpo.py against it and against the rule, the curves
 # make test-multirank-loop   the multi-rank checks 20 times in a row, stopping at the first failure (not in CI)
 # make bench    throughput and memory on a GPU (bench/benchmark.py; BENCH_ARGS="--only sampler" etc.)
 PYTHON ?= python3
@@ -29,7 +33,8 @@ MODEL ?=
 PARTS_DIR ?=
 fetch-model = $(PY) -m tasks.real_model --name $(1) $(if $(PARTS_DIR),--parts-dir "$(PARTS_DIR)")
 
-.PHONY: install run test test-multirank-loop sanity sanity-ci sanity-real sanity-cot real-model bench clean
+.PHONY: install run test test-multirank-loop sanity sanity-ci sanity-real sanity-cot real-model reward-model \
+	reward-model-real bench clean
 
 install: $(VENV)/.installed
 
@@ -107,6 +112,38 @@ sanity-cot: install
 		--vllm-kv-cache-gib 0" \
 		--script-args="--reward math --lr 1e-6 --num-prompts 32 --group-size 8 --num-minibatches 4 \
 		--vllm-sleep-level 1 --eval-dataset $$eval --eval-every 10 --eval-max-problems 128 --eval-k 2" $(COT_ARGS)
+
+# the built-in task against its learned reward: train/accuracy and the evaluation are the exact rule's
+reward-model: install
+	$(PY) grpo.py --reward-model "$$($(PY) -m tasks.reward_model --builtin)" --run-dir runs/grpo_reward_model \
+		--overwrite
+
+# A learned reward on the real model (SmolLM2-135M-Instruct, MODEL= another) and the word problems, one GPU with vLLM
+# (docs/reward-models.md): pairs from the model's own samples judged by the number rule (k = 8; held out: the
+# evaluation problems), a reward model trained on them from the model itself (chat format), then grpo.py against it
+# (the rule beside it) and, to compare, against the rule, REAL_RM_STEPS steps each, evaluated every 10 steps; the
+# curves of the score and of the true accuracy in $(REAL_RM_DIR)/curves.png
+REAL_RM_DIR ?= runs/reward_model_real
+REAL_RM_STEPS ?= 100
+# extra flags of tasks/reward_model.py (e.g. --lm-coef 0.1) and of both grpo.py runs
+REAL_RM_TRAIN_ARGS ?=
+REAL_RM_ARGS ?=
+reward-model-real: real-model
+	model="$$($(call fetch-model,$(or $(MODEL),smollm2-135m-instruct)))" && \
+	train="$$($(PY) -m tasks.word_problems | sed -n 1p)" && eval="$$($(PY) -m tasks.word_problems | sed -n 2p)" && \
+	task="--prompt-template chat:{problem} --reward number --max-response-len 128 --sampler vllm" && \
+	$(PY) -m tasks.reward_pairs --model "$$model" --dataset "$$train" --out $(REAL_RM_DIR)/train_pairs.jsonl $$task && \
+	$(PY) -m tasks.reward_pairs --model "$$model" --dataset "$$eval" --out $(REAL_RM_DIR)/eval_pairs.jsonl $$task && \
+	$(PY) -m tasks.reward_model --base "$$model" --pairs $(REAL_RM_DIR)/train_pairs.jsonl \
+		--eval-pairs $(REAL_RM_DIR)/eval_pairs.jsonl --out-dir $(REAL_RM_DIR)/rm --overwrite --lr 1e-5 --epochs 2 \
+		--batch-size 32 --precision bf16 $(REAL_RM_TRAIN_ARGS) && \
+	for run in rm rule; do \
+		$(PY) grpo.py --model "$$model" --dataset "$$train" --eval-dataset "$$eval" $$task --lr 1e-5 \
+			--num-steps $(REAL_RM_STEPS) --eval-every 10 --save-every 0 --run-dir $(REAL_RM_DIR)/grpo_$$run \
+			--overwrite $$([ $$run = rm ] && echo --reward-model $(REAL_RM_DIR)/rm) $(REAL_RM_ARGS) || exit 1; \
+	done && \
+	$(PY) sanity/plot_runs.py $(REAL_RM_DIR)/grpo_rm $(REAL_RM_DIR)/grpo_rule --labels "reward model" "rule" \
+		--keys reward_model/score_mean train/accuracy eval/eval/accuracy --out $(REAL_RM_DIR)/curves.png
 
 bench: install
 	$(PY) bench/benchmark.py $(BENCH_ARGS)

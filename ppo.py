@@ -36,6 +36,7 @@ from common.dist import print0, reduce_stats, seed_everything, setup_distributed
 from common.fsdp import full_tensor, iter_full_state, load_policy, load_sharded
 from common.logger import Logger
 from common.precision import LossScaler, TrainingFault, check_finite_logprobs, resolve_precisions
+from common.reward_model import RewardModelField, RewardModelFlags
 from common.rewards import Reward, evaluate
 from common.sampler import make_sampler
 from corrections import Corrections, CorrectionsField
@@ -68,6 +69,8 @@ class Args:
     """response length limit in tokens, and L_max of Dr.GRPO's constant normalizer"""
     truncated_reward: float = 0.0
     """reward of a response cut at the length limit (no end-of-sequence token)"""
+    learned_reward: RewardModelField = dataclasses.field(default_factory=RewardModelFlags)
+    """a reward model's score as the reward that trains: --reward-model and its --rm-* flags (docs/reward-models.md)"""
     temperature: float = 1.0
     """sampling temperature of training rollouts; the trainer divides its logits by it too"""
     top_p: float = 1.0
@@ -376,6 +379,8 @@ def main(args: Args) -> None:
                                                             args.prompt_template, args.max_prompt_len,
                                                             infra.eval_max_problems)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    reward = Reward(args.reward, args.truncated_reward, tokenizer, device, rank == 0, args.learned_reward,
+                    args.prompt_template, args.train_precision or args.precision, probe=problems[:8])  # --reward-model
 
     # --- models: the trainer (FSDP2, fp32 master weights) and the sampler (its own copy, rollout precision)
     weights_path = run.resume_dir or model_path
@@ -395,10 +400,10 @@ def main(args: Args) -> None:
     sampler = make_sampler(infra, weights_path, rollout_dtype, device, args.seed, rank,
                            args.max_prompt_len + args.max_response_len)
     exact.attach(model, sampler)  # --exact: the trainer's forward on the engine's kernels (docs/exact.md)
-    reward = Reward(args.reward, args.truncated_reward, tokenizer, device, progress=rank == 0)
     print0(f"[setup] {world_size} rank(s) on {device.type}; train {args.train_precision or args.precision}, rollout "
            f"{args.rollout_precision or args.precision}; {sum(p.numel() for p in params) / 1e6:.1f}M parameters")
-    parts = {"": (model, optimizer, {"scaler": scaler, "kl_monitor": monitor}),  # what a checkpoint holds; PPO:
+    parts = {"": (model, optimizer, {"scaler": scaler, "kl_monitor": monitor, "reward": reward}),  # what a
+             # checkpoint holds; PPO: the critic's part
              "critic": (critic, critic_optimizer, {"scaler": critic_scaler, "value_head": ValueHeadState(critic)})}
     start_step = run.load(parts, sampler)
 

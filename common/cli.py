@@ -15,6 +15,7 @@ from common.config import _show, config_changes, flat_fields, run_config  # noqa
 from common.exact import plan_for_run
 from common.precision import precision_name, resolve_precisions
 from common.preflight import check_model_dir
+from common.reward_model import check_reward_model
 from common.rewards import check_reward
 from common.sampler import resolve_sampler
 
@@ -198,6 +199,7 @@ def validate(args, world_size: int, **ranges) -> None:
     exact_div(world_size, infra.vllm_tp, "the number of ranks over --vllm-tp")
     resolve_sampler(infra.sampler)
     check_reward(args.reward)  # imports a plug-in's module here, so that a typo fails before any model loads
+    check_reward_model(args.learned_reward, args.prompt_template)  # --reward-model and its --rm-* flags
     if args.model is not None:
         check_model_dir(args.model)
     for path in ([args.dataset] if args.dataset else []) + list(infra.eval_dataset):

@@ -49,7 +49,7 @@ RESUME_MAY_CHANGE = frozenset({
     "exp_name", "run_dir", "track", "wandb_project",
     "sampler", "sampler_batch_size", "vllm_tp", "vllm_gpu_memory_utilization", "vllm_kv_cache_gib",
     "vllm_sleep_level", "micro_batch_tokens", "logprob_chunk", "gradient_checkpointing", "cpu_offload", "compile",
-    "max_skipped_steps", "kl_warn_factor",
+    "max_skipped_steps", "kl_warn_factor", "rm_batch_tokens",
     "lr", "critic_lr",
     "resume", "overwrite", "accept_changes",
 })

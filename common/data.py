@@ -122,25 +122,34 @@ def _format_of(template: str) -> str:
     return template[len("chat:"):] if template.startswith("chat:") else template
 
 
+def is_chat(template: str) -> bool:
+    """Whether a --prompt-template puts the problem into a user turn of the tokenizer's chat template."""
+    return template == "chat" or template.startswith("chat:")
+
+
+def prompt_text(problem: str, template: str) -> str:
+    """The text a --prompt-template makes of a problem: the user turn's content for 'chat' / 'chat:<format>', the
+    whole prompt for a raw format string. (A reward model reads this, formatted with its own tokenizer.)"""
+    user = _format_of(template)
+    _check_template(user)
+    # a shell passes "\n" typed in --prompt-template as backslash + n: it means a newline
+    return user.replace("\\n", "\n").format(problem=problem, instruction=INSTRUCTION)
+
+
 def format_prompt(tokenizer, problem: str, template: str) -> list[int]:
     """Token ids of the prompt for one problem; template as --prompt-template: "chat" or "chat:<format>" (the
     tokenizer's chat template, the user turn from _format_of) or a format string with {problem}, optionally
     {instruction}."""
-    if template == "chat" or template.startswith("chat:"):
+    if is_chat(template):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this tokenizer has no chat template; pass a raw template instead, "
                              'e.g. --prompt-template "{problem}\\n{instruction}\\n"')
-        user = _format_of(template)
-        _check_template(user)
-        content = user.replace("\\n", "\n").format(problem=problem, instruction=INSTRUCTION)
-        messages = [{"role": "user", "content": content}]
+        messages = [{"role": "user", "content": prompt_text(problem, template)}]
         # return_dict=False: the token ids as a list (transformers 5's default is a BatchEncoding, 4.x's the list)
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids)
 
-    _check_template(template)
-    # a shell passes "\n" typed in --prompt-template as backslash + n: it means a newline
-    text = template.replace("\\n", "\n").format(problem=problem, instruction=INSTRUCTION)
+    text = prompt_text(problem, template)
     # add_special_tokens=True gives BOS to tokenizers that want it (Llama) and nothing to those
     # that don't (Qwen). A few also append EOS, which would tell the model it is already done.
     ids = tokenizer.encode(text, add_special_tokens=True)

@@ -14,9 +14,9 @@ from tqdm import tqdm
 from common.precision import TrainingFault
 
 # the keys shown in the readable per-step line, with their short names
-LINE_KEYS = [("train/accuracy", "acc"), ("train/response_len_mean", "len"), ("mismatch/kl_k3", "kl_k3"),
-             ("policy/clip_frac", "clip"), ("optim/grad_norm", "gnorm"), ("optim/loss_scale", "scale"),
-             ("time/step", "s")]
+LINE_KEYS = [("train/accuracy", "acc"), ("reward_model/score_mean", "rm"), ("train/response_len_mean", "len"),
+             ("mismatch/kl_k3", "kl_k3"), ("policy/clip_frac", "clip"), ("optim/grad_norm", "gnorm"),
+             ("optim/loss_scale", "scale"), ("time/step", "s")]
 
 
 class LogWriteError(TrainingFault):

@@ -6,7 +6,10 @@
 The math check and the plug-ins run in time- and memory-bounded worker processes (workers/reward_pool.py). A call that
 raises, runs past its time limit or returns anything but a finite number scores 0 and counts as a failure
 (train/reward_failures, eval/<name>/reward_failures); a step whose every check failed stops the run.
+Reward (the end of this file) is a step's reward: the rule's, or with --reward-model a reward model's score
+(common/reward_model.py) with the rule beside it.
 """
+import math
 import re
 import sys
 import threading
@@ -16,7 +19,7 @@ from fractions import Fraction
 
 import torch
 
-from common.dist import reduce_stats
+from common.dist import print0, reduce_stats
 from common.precision import TrainingFault
 from workers import reward_pool
 
@@ -261,31 +264,115 @@ def check_step_rewards(step: int, failures: int, checked: int, device) -> None:
 
 
 class Reward:
-    """--reward as a step uses it (step 2): a rollout's responses decoded, checked against their problems' answers,
-    a response cut at the length limit given truncated_reward; stops the run when every check failed."""
+    """The reward of a step (step 2), built once at setup. Without a reward model, the rule (--reward: math, exact,
+    number, module:function) is the reward, a response cut at the length limit getting truncated_reward. With one
+    (`learned`, common.reward_model.RewardModelFlags with a reward_model directory), its score of prompt + response
+    trains and the rule only measures: train/accuracy and its companions are the rule's verdicts (a cut response
+    counts as wrong there), and evaluation, which the scripts give the rule, is unchanged. A cut response still gets
+    truncated_reward (the reward model does not score it). A score that is nan or inf, or of an input longer than the
+    reward model's positions, is a reward failure: 0, counted, as a rule's failed check. Each rank scores its own
+    responses; the score statistics take two small collectives a step, which also keep every rank's running mean and
+    std the same (--rm-normalize; state_dict goes into the checkpoints' trainer_state)."""
 
-    def __init__(self, kind: str, truncated_reward: float, tokenizer, device, progress: bool):
+    def __init__(self, kind: str, truncated_reward: float, tokenizer, device, progress: bool, learned=None,
+                 template: str = "{problem}", precision: str = "fp32", probe: list[dict] = ()):
+        """precision: the train precision, the reward model's unless --rm-precision says otherwise. probe: a few
+        problems ({problem, answer}) whose answers the reward model scores at once: a ValueError here, before
+        training, when it gives nan or inf."""
         check_reward(kind)
-        self.kind, self.truncated_reward, self.tokenizer = kind, truncated_reward, tokenizer
-        self.device, self.progress = device, progress
+        self.kind, self.truncated_reward, self.tokenizer = kind, float(truncated_reward), tokenizer
+        self.device, self.progress, self.learned, self.template = device, progress, learned, template
+        self.model = self.norm = None
+        if learned is None or learned.reward_model is None:
+            return
+        from common.data import prompt_text
+        from common.reward_model import RewardModel, RunningMeanStd, check_reward_model
+        fmt = check_reward_model(learned, template)
+        precision = learned.rm_precision or precision
+        self.model = RewardModel(learned.reward_model, fmt, precision, device, learned.rm_batch_tokens)
+        self.norm = RunningMeanStd() if learned.rm_normalize else None
+        print0(f"[reward] learned reward: {self.model.describe(tokenizer)}; --reward {kind} measures train/accuracy "
+               "and the evaluation")
+        scores = self.model.score([prompt_text(p["problem"], template) for p in probe], [p["answer"] for p in probe])
+        bad = [x for x in scores if not math.isfinite(x)]
+        if bad:
+            raise ValueError(f"--reward-model {learned.reward_model!r}: its forward gives {bad[0]} on {len(bad)} of "
+                             f"{len(scores)} probe inputs (the first problems with their answers) in {precision}: "
+                             "check its weights, or try --rm-precision fp32")
 
     def __call__(self, step: int, rollout, problems: list[dict], stats) -> torch.Tensor:
         """rewards_B, one per response (the rollout holds each problem's group in order, as samplers return it), and
-        into stats: train/accuracy (the mean reward), train/reward_failures, and the fractions of groups all right
-        (train/all_correct_frac) and all wrong (train/all_wrong_frac), which give no learning signal."""
+        into stats: train/accuracy (the rule's mean verdict), train/reward_failures (of the reward that trains), the
+        fractions of groups all right (train/all_correct_frac) and all wrong (train/all_wrong_frac), which give no
+        learning signal, time/reward, and with a reward model the reward_model/* keys."""
+        t0 = time.perf_counter()
         group_size = len(rollout.response_ids) // len(problems)
         texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
-        answers = [p["answer"] for p in problems for _ in range(group_size)]
-        rewards, failures = score_rollout(texts, answers, rollout.finished, self.kind, self.truncated_reward,
-                                          progress=self.progress)
+        rewards, correct, failures = self.score(stats, [p["problem"] for p in problems for _ in range(group_size)],
+                                                texts, [p["answer"] for p in problems for _ in range(group_size)],
+                                                rollout.finished)
         check_step_rewards(step, failures, sum(rollout.finished), self.device)
-        rewards_B = torch.tensor(rewards)
-        r_GN = rewards_B.view(-1, group_size)
-        stats.add("train/accuracy", rewards_B.sum(), len(rewards_B))
+        c_GN = torch.tensor(correct).view(-1, group_size)
+        stats.add("train/accuracy", c_GN.sum(), c_GN.numel())
         stats.add("train/reward_failures", float(failures))
-        stats.add("train/all_correct_frac", (r_GN.min(-1).values == 1).sum(), len(r_GN))
-        stats.add("train/all_wrong_frac", (r_GN.max(-1).values == 0).sum(), len(r_GN))
-        return rewards_B
+        stats.add("train/all_correct_frac", (c_GN.min(-1).values == 1).sum(), len(c_GN))
+        stats.add("train/all_wrong_frac", (c_GN.max(-1).values == 0).sum(), len(c_GN))
+        stats.set("time/reward", time.perf_counter() - t0)
+        return torch.tensor(rewards)
+
+    def score(self, stats, problems: list[str], responses: list[str], answers: list[str],
+              finished: list[bool]) -> tuple[list[float], list[float], int]:
+        """(the rewards that train, the rule's verdicts, failed checks of the reward that trains) of decoded responses
+        to `problems` (each response's problem text, before --prompt-template). With a reward model: collective
+        (every rank calls it), and the reward_model/* keys into stats."""
+        if self.model is None:
+            rewards, failures = score_rollout(responses, answers, finished, self.kind, self.truncated_reward,
+                                              self.progress)
+            return rewards, rewards, failures
+        from common.data import prompt_text
+        # the rule measures: a cut response is not a correct one, whatever --truncated-reward gives it
+        correct, rule_failures = score_rollout(responses, answers, finished, self.kind, 0.0, self.progress)
+        todo = [i for i, done in enumerate(finished) if done]
+        raw = self.model.score([prompt_text(problems[i], self.template) for i in todo], [responses[i] for i in todo])
+        ok = [(i, x) for i, x in zip(todo, raw) if math.isfinite(x)]
+        if len(ok) < len(todo) and "reward model" not in _reported:
+            _reported.add("reward model")
+            print(f"[reward] the reward model scored {len(todo) - len(ok)} of {len(todo)} responses "
+                  f"{next(x for x in raw if not math.isfinite(x))} (scored 0, counted in train/reward_failures; "
+                  "reported once)", file=sys.stderr, flush=True)
+        values = [x for _, x in ok]
+        g = reduce_stats({"n": len(values), "sum": math.fsum(values), "sq": math.fsum(x * x for x in values)}, "sum",
+                         self.device)
+        hi = reduce_stats({"max": max(values, default=-math.inf), "neg_min": -min(values, default=math.inf)}, "max",
+                          self.device)
+        n, mean = g["n"], g["sum"] / g["n"] if g["n"] else math.nan  # (NaN when no response was scored)
+        stats.set("reward_model/score_mean", mean)
+        stats.set("reward_model/score_std", math.sqrt(max(g["sq"] / n - mean ** 2, 0.0)) if n else math.nan)
+        stats.set("reward_model/score_max", hi["max"] if n else math.nan)
+        stats.set("reward_model/score_min", -hi["neg_min"] if n else math.nan)
+        stats.add("reward_model/rule_failures", float(rule_failures))
+        if self.norm is not None:  # every rank's scores of this step enter the running statistics
+            self.norm.update(n, g["sum"], g["sq"])
+            scale = math.sqrt(self.norm.m2 / max(self.norm.count, 1.0) + 1e-8)
+            values = [(x - self.norm.mean) / scale for x in values]
+            stats.set("reward_model/running_mean", self.norm.mean)
+            stats.set("reward_model/running_std", self.norm.std)
+        if self.learned.rm_clip > 0:
+            c = self.learned.rm_clip
+            stats.add("reward_model/clip_frac", float(sum(abs(x) > c for x in values)), len(values))
+            values = [min(max(x, -c), c) for x in values]
+        rewards = [self.truncated_reward if not done else 0.0 for done in finished]  # 0: a failed score
+        for (i, _), x in zip(ok, values):
+            rewards[i] = x
+        return rewards, correct, len(todo) - len(ok)
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs: the running mean and std of the scores (empty without --rm-normalize)."""
+        return {"running": self.norm.state_dict()} if self.norm is not None else {}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if self.norm is not None and state and "running" in state:
+            self.norm.load_state_dict(state["running"])
 
 
 def evaluate(sampler, tokenizer, eval_sets: dict[str, list[dict]], infra, max_new_tokens: int, reward: str,

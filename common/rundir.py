@@ -103,8 +103,8 @@ class RunDir:
             return 0
         for folder, (model, optimizer, state) in parts.items():
             trainer_state, rank_state = load_training_state(os.path.join(self.resume_dir, folder), model, optimizer)
-            for name, obj in state.items():
-                obj.load_state_dict(trainer_state[name])
+            for name, obj in state.items():  # ({}: a state a checkpoint of an older version did not keep)
+                obj.load_state_dict(trainer_state.get(name, {}))
             if folder == "":
                 step = trainer_state["step"]
                 if rank_state:

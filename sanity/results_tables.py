@@ -116,6 +116,25 @@ def eval_table(runs: list[tuple[str, list[dict], dict[int, float]]], steps: list
     return md_table([corner] + [step_label.format(s) for s in steps], rows)
 
 
+def reward_model_table(learned: tuple[list[dict], dict[int, float]], rule: tuple[list[dict], dict[int, float]],
+                       steps: list[int]) -> str:
+    """A run against a learned reward (`learned`: training rows, held-out accuracy by step) beside one against the
+    rule (`rule`), one column per step of `steps`: the reward model's mean score and the rule's training accuracy,
+    each the mean over the steps since the previous column (nothing at the first), and both runs' held-out
+    accuracy."""
+    train, evals = learned
+    rows = [["`reward_model/score_mean` (the score trained on)"], ["`train/accuracy` (the rule's)"],
+            ["`eval/eval/accuracy`"], ["`eval/eval/accuracy`, trained on the rule"]]
+    for prev, step in zip([None] + steps[:-1], steps):
+        for row, key in ((rows[0], "reward_model/score_mean"), (rows[1], "train/accuracy")):
+            row.append("" if prev is None else fixed(window_mean(train, key, prev + 1, step), 2))
+        for row, by_step in ((rows[2], evals), (rows[3], rule[1])):
+            if step not in by_step:
+                raise ValueError(f"no held-out accuracy at step {step}")
+            row.append(fixed(by_step[step], 2))
+    return md_table(["step"] + [str(s) for s in steps], rows)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the offline analysis: sanity/mismatch_analysis.py's analysis.json
 
@@ -227,6 +246,9 @@ TABLES = {
                                        [0, 20, 40, 60, 80, 100], corner="step"),
     "builtin_algorithms": lambda: eval_table(load_runs("builtin_cpu", BUILTIN_RUNS), [0, 100], corner="command",
                                              step_label="step {}"),
+    "builtin_reward_model": lambda: reward_model_table(
+        load_run(os.path.join(ROOT, "sanity", "results", "reward_model_cpu", "runs", "grpo")),
+        load_run(os.path.join(ROOT, "sanity", "results", "builtin_cpu", "runs", "grpo")), [0, 20, 40, 60, 80, 100]),
     "analysis_135m": lambda: analysis_table(read_json("sanity/results/real_model_h200/analysis/analysis.json")),
     "analysis_cot_1.5b": lambda: kl_slope_table(
         [read_json(f"sanity/results/cot_1.5b/analysis/{p}/analysis.json") for p in ("fp16", "bf16")]),

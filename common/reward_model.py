@@ -1,0 +1,266 @@
+"""The learned reward (--reward-model; docs/reward-models.md): a reward model's scalar score of prompt + response.
+
+A reward model is a Hugging Face directory of an AutoModelForSequenceClassification with one label, the usual format
+of published reward models: a decoder LM (LlamaForSequenceClassification, Qwen2ForSequenceClassification, ...) whose
+`score` head maps a final hidden state to one number. tasks/reward_model.py trains one from preference pairs
+(Bradley-Terry). In RL each rank loads a whole copy on its device, in a precision of its own, and scores its own
+responses, a token budget of sequences per forward; no collective.
+
+What it reads is built from text with its own tokenizer, the same way when it is trained and when it scores
+(rm_input_ids): the prompt as the policy's --prompt-template wrote it (the user turn of a chat template, or the raw
+prompt: common.data.prompt_text) and the response decoded from the policy's tokens, then in format
+  'chat'  its tokenizer's chat template around a user turn and an assistant turn, or
+  'raw'   prompt + response + its end-of-sequence token.
+A run's format follows its prompts: chat turns give 'chat', a raw template 'raw'. A reward model with another
+tokenizer than the policy's thus needs nothing more than its own tokenizer (the run says which at start). The score
+is read at the sequence's last token (the end of the assistant turn, or the end-of-sequence token).
+"""
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+
+INFO_FILE = "reward_model.json"  # written by tasks/reward_model.py beside the weights: the format it was trained on
+
+
+@dataclass
+class RewardModelFlags:
+    """The learned-reward flags, one Args field (`learned_reward`) of the scripts: flat on the command line
+    (--reward-model, --rm-*) and in config.json."""
+    reward_model: str | None = None
+    """a reward model directory (Hugging Face AutoModelForSequenceClassification, one label; tasks/reward_model.py
+    trains one): its score of prompt + response is the reward that trains, and --reward only measures
+    (train/accuracy, eval/*). None: --reward trains"""
+    rm_precision: Literal["fp16", "bf16", "fp32"] | None = None
+    """the reward model's compute precision (default: the train precision)"""
+    rm_batch_tokens: int = 32768
+    """token budget of one scoring forward of the reward model (rows x longest row, padding included)"""
+    rm_normalize: bool = False
+    """normalize each score by the running mean and std of every score so far (all ranks, this step's included):
+    (s - mean) / sqrt(var + 1e-8); the running state goes into the checkpoints"""
+    rm_clip: float = 0.0
+    """clip the (normalized) score to [-rm_clip, rm_clip]; 0: no clip"""
+
+
+# an Args field's type: the flags are --reward-model and --rm-*, not --learned-reward.reward-model
+RewardModelField = tyro.conf.OmitArgPrefixes[RewardModelFlags]
+
+
+def check_reward_model(flags: RewardModelFlags, prompt_template: str) -> str | None:
+    """Everything about --reward-model that can be checked before a model loads; raises a one-line ValueError or
+    FileNotFoundError. Returns the input format the run will use ('chat' or 'raw'), None without a reward model."""
+    from common.data import is_chat
+    from common.preflight import check_model_dir
+    path = flags.reward_model
+    if path is None:
+        default = RewardModelFlags()
+        changed = [name for name, on in (("--rm-precision", flags.rm_precision is not None),
+                                         ("--rm-batch-tokens", flags.rm_batch_tokens != default.rm_batch_tokens),
+                                         ("--rm-normalize", flags.rm_normalize), ("--rm-clip", flags.rm_clip != 0))
+                   if on]
+        if changed:
+            raise ValueError(f"{', '.join(changed)}: no --reward-model to apply to")
+        return None
+    if flags.rm_batch_tokens < 1:
+        raise ValueError(f"--rm-batch-tokens {flags.rm_batch_tokens}: must be at least 1")
+    if not (math.isfinite(flags.rm_clip) and flags.rm_clip >= 0):
+        raise ValueError(f"--rm-clip {flags.rm_clip}: must be finite and >= 0 (0: no clip)")
+    where = f"--reward-model {path!r}"
+    path = os.path.expanduser(path)  # (a quoted ~ reaches here as it is: config.json then names no home directory)
+    check_model_dir(path, "--reward-model")  # the directory, config.json, tokenizer, JSON files, weights complete
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    archs = config.get("architectures") or []
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(f"{where}: no scalar head: its config.json names {', '.join(archs) or 'no architecture'}, "
+                         "not a ...ForSequenceClassification (train one from preference pairs: python -m "
+                         "tasks.reward_model)")
+    labels = num_labels(config)
+    if labels != 1:
+        raise ValueError(f"{where}: its head has {labels} labels; a reward model has one (a scalar score)")
+    if not any(n.endswith(".safetensors") for n in os.listdir(path)) and \
+            not os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+        raise FileNotFoundError(f"{where}: no weights there (*.safetensors)")
+    fmt = "chat" if is_chat(prompt_template) else "raw"
+    trained = read_info(path).get("format")
+    if trained is not None and trained != fmt:
+        raise ValueError(f"{where} was trained on {trained!r} inputs ({INFO_FILE}) but this run's prompts give "
+                         f"{fmt!r} ones (--prompt-template {prompt_template!r}): train it with --format {fmt}, or "
+                         "choose a prompt template of its kind")
+    if fmt == "chat":
+        from transformers import AutoTokenizer
+        if not getattr(AutoTokenizer.from_pretrained(path), "chat_template", None):
+            raise ValueError(f"{where}: its tokenizer has no chat template, and this run's prompts are chat turns "
+                             f"(--prompt-template {prompt_template!r}): give it one, or use a raw prompt template")
+    return fmt
+
+
+def num_labels(config: dict) -> int:
+    """The label count of a config.json, as transformers reads it: id2label's size, else num_labels, else 2."""
+    if isinstance(config.get("id2label"), dict):
+        return len(config["id2label"])
+    return int(config.get("num_labels", 2))
+
+
+def read_info(path: str) -> dict:
+    """tasks/reward_model.py's record of how the reward model in `path` was trained ({} for any other)."""
+    try:
+        with open(os.path.join(path, INFO_FILE)) as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# inputs and scores: the same code in training (tasks/reward_model.py) and in RL
+
+
+def rm_input_ids(tokenizer, prompt: str, response: str, fmt: str) -> list[int]:
+    """The token ids a reward model reads for (prompt, response) in format 'chat' or 'raw' (module docstring)."""
+    if fmt == "chat":
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+    ids = tokenizer.encode(prompt + response, add_special_tokens=True)
+    eos = tokenizer.eos_token_id
+    # the end-of-sequence token the policy wrote (decoding dropped it): the score is read there, once all is seen
+    return list(ids) + ([eos] if eos is not None and (not ids or ids[-1] != eos) else [])
+
+
+def score_head(model: nn.Module) -> nn.Linear:
+    """The model's scalar head, `score` (transformers' ...ForSequenceClassification of decoder LMs); ValueError when
+    it has none or more than one output."""
+    head = getattr(model, "score", None)
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"{type(model).__name__} has no `score` head (nn.Linear); a reward model here is a decoder "
+                         "LM's ...ForSequenceClassification")
+    if head.out_features != 1:
+        raise ValueError(f"{type(model).__name__}'s head has {head.out_features} outputs; a reward model has one")
+    return head
+
+
+def sequence_scores(model: nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
+                    return_hidden: bool = False):
+    """score_B, fp32: the `score` head on the final hidden state of each row's last token (rows right-padded); with
+    return_hidden, (score_B, hidden_BLH) with every position's final hidden state.
+    Not transformers' own pooling, which takes the last token that is not the pad token: where pad and
+    end-of-sequence are one token (many tokenizers), that skips the end-of-sequence token the response ended with."""
+    base = getattr(model, model.base_model_prefix)
+    hidden_BLH = base(input_ids=input_ids_BL, attention_mask=attention_mask_BL).last_hidden_state
+    last_B = attention_mask_BL.sum(-1) - 1
+    hidden_BH = hidden_BLH[torch.arange(hidden_BLH.shape[0], device=hidden_BLH.device), last_B]
+    head = score_head(model)
+    bias = None if head.bias is None else head.bias.float()
+    # the head's product in fp32 (its weights are in the compute dtype): a score is never rounded to 16 bits
+    score_B = F.linear(hidden_BH.float(), head.weight.float(), bias).squeeze(-1)
+    return (score_B, hidden_BLH) if return_hidden else score_B
+
+
+def right_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids_BL, attention_mask_BL), right-padded: with causal attention no real token sees a pad."""
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, :len(s)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def pad_id_of(tokenizer) -> int:
+    """Any id does under the mask; the tokenizer's own pad (or end-of-sequence) token when it has one."""
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return tid
+    return 0
+
+
+class RewardModel:
+    """A reward model loaded for scoring: a whole copy on `device` in `precision`, eval mode, no gradient."""
+
+    def __init__(self, path: str, fmt: str, precision: str, device, batch_tokens: int):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from common.precision import DTYPES
+        path = os.path.expanduser(path)
+        self.path, self.fmt, self.precision, self.device, self.batch_tokens = path, fmt, precision, device, batch_tokens
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=DTYPES[precision]).to(device)
+        self.model.eval()
+        score_head(self.model)
+        self.pad_id = pad_id_of(self.tokenizer)
+        self.max_len = getattr(self.model.config, "max_position_embeddings", None)  # longer inputs are not scored
+        self.too_long_reported = False
+
+    @torch.no_grad()
+    def score_ids(self, seqs: list[list[int]]) -> list[float]:
+        """The score of each token sequence, in float (nan or inf as the model gives them; nan for a sequence
+        longer than the model's positions, which is not run)."""
+        from common.logprobs import split_microbatches
+        scores = [math.nan] * len(seqs)
+        fits = [i for i, s in enumerate(seqs) if s and (self.max_len is None or len(s) <= self.max_len)]
+        if len(fits) < len(seqs) and not self.too_long_reported:
+            self.too_long_reported = True
+            print(f"[reward] {len(seqs) - len(fits)} responses are longer than the reward model's {self.max_len} "
+                  "positions: not scored, counted as reward failures (reported once)", file=sys.stderr, flush=True)
+        for group in split_microbatches([len(seqs[i]) for i in fits], self.batch_tokens) if fits else []:
+            idx = [fits[j] for j in group]
+            ids, mask = right_pad([seqs[i] for i in idx], self.pad_id, self.device)
+            for i, s in zip(idx, sequence_scores(self.model, ids, mask).cpu().tolist()):
+                scores[i] = s
+        return scores
+
+    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+        """The score of each (prompt text, response text): rm_input_ids, then score_ids."""
+        return self.score_ids([rm_input_ids(self.tokenizer, p, r, self.fmt) for p, r in zip(prompts, responses)])
+
+    def describe(self, policy_tokenizer=None) -> str:
+        """One line for the start of a run: what scores, how, and with which tokenizer."""
+        n = sum(p.numel() for p in self.model.parameters())
+        how = ("its chat template around the prompt and the response" if self.fmt == "chat" else
+               "prompt + response + its end-of-sequence token")
+        line = (f"{self.path} ({type(self.model).__name__}, {n / 1e6:.1f}M parameters, {self.precision} on "
+                f"{self.device.type}); input format {self.fmt}: {how}")
+        if policy_tokenizer is not None:
+            same = self.tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+            line += ("; its tokenizer is the policy's" if same else
+                     f"; its own tokenizer (vocabulary {len(self.tokenizer)}, the policy's {len(policy_tokenizer)}): "
+                     "responses are decoded and re-encoded with it")
+        return line
+
+
+class RunningMeanStd:
+    """Mean and variance of every value seen so far, merged a batch at a time (Chan, Golub and LeVeque's parallel
+    update, "Updating formulae and a pairwise algorithm for computing sample variances", 1979), in float64."""
+
+    def __init__(self):
+        self.count, self.mean, self.m2 = 0.0, 0.0, 0.0  # m2: sum of squared deviations from the mean
+
+    def update(self, n: float, total: float, total_sq: float) -> None:
+        """Merge a batch given by its count, sum and sum of squares (sums over all ranks: common.dist.reduce_stats)."""
+        if n <= 0:
+            return
+        mean_b = total / n
+        m2_b = max(total_sq - n * mean_b ** 2, 0.0)
+        count = self.count + n
+        delta = mean_b - self.mean
+        self.mean += delta * n / count
+        self.m2 += m2_b + delta ** 2 * self.count * n / count
+        self.count = count
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / self.count) if self.count else 0.0
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count, self.mean, self.m2 = float(state["count"]), float(state["mean"]), float(state["m2"])

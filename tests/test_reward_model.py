@@ -1,0 +1,466 @@
+"""The learned reward (--reward-model; docs/reward-models.md): Bradley-Terry training, the reward model's inputs and
+scores, Reward with a reward model (statistics, failures, normalization over ranks, its state), bad input refused
+before training, and grpo.py / ppo.py against a reward model on the built-in task."""
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from common.reward_model import (RewardModel, RewardModelFlags, RunningMeanStd, check_reward_model, rm_input_ids,
+                                 sequence_scores)
+from common.metrics import StepStats
+from common.rewards import Reward, exact_match_reward
+from tasks.reward_model import bradley_terry_loss, read_pairs, split_by_prompt, train_reward_model
+from conftest import fp32_rounding_bound
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+CPU = torch.device("cpu")
+
+
+def sum_pairs(n: int, seed: int) -> list[dict]:
+    """n pairs of the built-in task's kind: a right sum chosen, the same sum with its last digit changed rejected."""
+    import random
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randrange(100), rng.randrange(100)
+        right = str(a + b)
+        wrong = right[:-1] + rng.choice([d for d in "0123456789" if d != right[-1]])
+        out.append({"prompt": f"{a}+{b}=", "chosen": right, "rejected": wrong})
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_rm(tmp_path_factory, tiny_model_dir):
+    """A reward model trained for a few steps from the tests' tiny random causal LM: its scores are arbitrary, its
+    format and head are what the scripts load."""
+    out = str(tmp_path_factory.mktemp("rm") / "small")
+    info = train_reward_model(tiny_model_dir, sum_pairs(64, 0), sum_pairs(16, 1), out, fmt="raw", epochs=1,
+                              batch_size=16, lr=1e-3, log_every=1000, device="cpu")
+    return out, info
+
+
+@pytest.fixture(scope="session")
+def builtin_rm(tmp_path_factory):
+    """A reward model of the built-in task trained for 150 steps (the built-in recipe's takes a minute): sums against
+    wrong sums of every kind, with the next-token loss. Returns (directory, its reward_model.json, held-out pairs)."""
+    import random
+
+    from tasks.builtin import ensure_builtin_task
+    from tasks.reward_model import sum_pairs
+    rng = random.Random(0)
+    every_kind = (1, 1, 1, 1, 1)
+    train, held = sum_pairs(150 * 64, rng, 100, every_kind, set()), sum_pairs(400, rng, 100, every_kind, set())
+    out = str(tmp_path_factory.mktemp("rm") / "builtin_small")
+    info = train_reward_model(ensure_builtin_task()["model"], train, held, out, fmt="raw", batch_size=64, lr=1e-3,
+                              lm_coef=1.0, log_every=1000, device="cpu")
+    return out, info, len(held)
+
+
+def flags(path, **kw):
+    return RewardModelFlags(reward_model=path, **kw)
+
+
+def step_reward(rule, truncated, learned, probe=()):
+    """Reward as the scripts build it, on the CPU in fp32, with the raw prompt template."""
+    return Reward(rule, truncated, None, CPU, False, learned, "{problem}", "fp32", probe=probe)
+
+
+def score(reward, problems, responses, answers, finished):
+    """Reward.score into a fresh StepStats: (rewards, correct, failures, the step's metrics)."""
+    stats = StepStats(CPU)
+    rewards, correct, failures = reward.score(stats, problems, responses, answers, finished)
+    return rewards, correct, failures, stats.reduce()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bradley-Terry
+
+
+def test_bradley_terry_loss_values_and_gradient():
+    """-log sigmoid(d): log 2 at d = 0, finite and ~|d| far on the wrong side (no overflow), and its gradient in
+    r_chosen is -sigmoid(-d)."""
+    rc = torch.tensor([0.0, 2.0, -1000.0, 1000.0], requires_grad=True)
+    rr = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    loss = bradley_terry_loss(rc, rr)
+    d = (rc - rr).detach()
+    torch.testing.assert_close(loss[:2].detach(), torch.log1p(torch.exp(-d[:2])))
+    assert loss[2].item() == pytest.approx(1000.0) and loss[3].item() == pytest.approx(0.0, abs=1e-30)
+    loss.sum().backward()
+    torch.testing.assert_close(rc.grad, -torch.sigmoid(-d))
+
+
+def test_split_by_prompt_keeps_a_prompts_pairs_together():
+    pairs = [{"prompt": f"p{i % 10}", "chosen": "a", "rejected": str(i)} for i in range(100)]
+    train, held = split_by_prompt(pairs, 0.2, seed=3)
+    assert len(train) + len(held) == 100 and len({p["prompt"] for p in held}) == 2
+    assert not {p["prompt"] for p in train} & {p["prompt"] for p in held}
+
+
+def test_training_on_sums_beats_chance(builtin_rm):
+    """A reward model trained here from the built-in model (a few seconds of the built-in recipe's kind of pairs)
+    ranks held-out pairs better than chance: its held-out accuracy exceeds 1/2 by more than 4 standard deviations of
+    a coin's (sqrt(1/4n)) and rose from where it started; the directory is one the scripts load."""
+    path, info, n_held = builtin_rm
+    assert info["eval_pairs"] == n_held
+    assert info["eval_accuracy"] > 0.5 + 4 * math.sqrt(0.25 / n_held), info
+    assert info["eval_accuracy"] > info["eval_accuracy_before"], info
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "reward_model.json"):
+        assert os.path.isfile(os.path.join(path, name))
+    assert check_reward_model(flags(path), "{problem}") == "raw"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inputs and scores
+
+
+def test_raw_and_chat_inputs(small_rm):
+    path, _ = small_rm
+    rm = RewardModel(path, "raw", "fp32", CPU, 4096)
+    tok = rm.tokenizer
+    assert rm_input_ids(tok, "12+3=", "15", "raw") == tok.encode("12+3=15") + [tok.eos_token_id]
+    tok.chat_template = "{% for m in messages %}{{ m['role'][0] }}={{ m['content'] }}{% endfor %}"
+    assert rm_input_ids(tok, "12+3=", "15", "chat") == tok.encode("u=12+3=a=15")
+
+
+def test_scores_do_not_depend_on_batching_and_match_transformers(small_rm):
+    """One sequence a forward, or all in one right-padded forward: the same scores within fp32 rounding; and
+    transformers' own forward of a single unpadded sequence (its pooling reads the last token when no pad is in the
+    row) gives them too."""
+    path, _ = small_rm
+    texts = [("1+1=", "2"), ("47+38=", "85"), ("9+90=", "99"), ("3+4=", "8"), ("10+10=", "2000")]
+    one = RewardModel(path, "raw", "fp32", CPU, 1)
+    many = RewardModel(path, "raw", "fp32", CPU, 10 ** 6)
+    a = torch.tensor(one.score(*zip(*texts)))
+    b = torch.tensor(many.score(*zip(*texts)))
+    cfg = many.model.config
+    L = max(len(many.tokenizer.encode(p + r)) + 1 for p, r in texts)
+    bound = fp32_rounding_bound(cfg, L, L, backward=False)
+    assert (a - b).abs().max() <= bound * b.abs().max()
+    for (p, r), s in zip(texts, b):
+        ids = torch.tensor([rm_input_ids(many.tokenizer, p, r, "raw")])
+        with torch.no_grad():
+            hf = many.model(input_ids=ids).logits[0, 0]
+        assert abs(hf.item() - s.item()) <= bound * b.abs().max()
+    assert len(set(b.tolist())) == len(texts)  # the scores differ: the test would see a swapped row
+
+
+def test_too_long_inputs_are_not_run(small_rm):
+    path, _ = small_rm
+    rm = RewardModel(path, "raw", "fp32", CPU, 4096)
+    rm.max_len = 8
+    scores = rm.score(["1+1=", "1+1="], ["2", "2" * 20])
+    assert math.isfinite(scores[0]) and math.isnan(scores[1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reward with a reward model
+
+
+def test_rewards_use_the_score_and_log_its_statistics(small_rm, process_group):
+    """The rewards are the reward model's scores of the finished responses (a cut one gets truncated_reward), the
+    accuracy is the rule's, and the logged statistics are those of a direct call on the same texts."""
+    path, _ = small_rm
+    problems = ["1+1=", "1+1=", "47+38=", "47+38=", "9+9="]
+    responses = ["2", "3", "85", "86", "1818"]
+    answers = ["2", "2", "85", "85", "18"]
+    finished = [True, True, True, True, False]
+    reward = step_reward("exact", -0.5, flags(path))
+    rewards, correct, failures, m = score(reward, problems, responses, answers, finished)
+    direct = RewardModel(path, "raw", "fp32", CPU, 4096).score(problems[:4], responses[:4])
+    assert rewards == direct + [-0.5]
+    assert correct == [exact_match_reward(r, a) * f for r, a, f in zip(responses, answers, finished)]
+    assert failures == 0
+    d = torch.tensor(direct, dtype=torch.float64)
+    assert m["reward_model/score_mean"] == pytest.approx(d.mean().item(), rel=1e-12)
+    assert m["reward_model/score_std"] == pytest.approx(d.std(unbiased=False).item(), rel=1e-9)
+    assert (m["reward_model/score_min"], m["reward_model/score_max"]) == (min(direct), max(direct))
+    assert "reward_model/running_mean" not in m and "reward_model/clip_frac" not in m
+
+
+def test_a_step_with_no_finished_response(small_rm, process_group):
+    """Every response cut at the length limit (a real model's first steps at a short limit): nothing to score, each
+    gets truncated_reward, and the score statistics are NaN, not an error."""
+    path, _ = small_rm
+    reward = step_reward("exact", -1.0, flags(path, rm_normalize=True))
+    rewards, correct, failures, m = score(reward, ["1+1="] * 2, ["2", "3"], ["2"] * 2, [False, False])
+    assert rewards == [-1.0, -1.0] and correct == [0.0, 0.0] and failures == 0
+    assert math.isnan(m["reward_model/score_mean"]) and math.isnan(m["reward_model/score_max"])
+
+
+def test_rule_alone_is_unchanged(process_group):
+    reward = step_reward("exact", 0.0, RewardModelFlags())
+    rewards, correct, failures, m = score(reward, ["1+1="] * 3, ["2", "3", "2"], ["2"] * 3, [True, True, False])
+    assert rewards == correct == [1.0, 0.0, 0.0] and failures == 0
+    assert not any(k.startswith("reward_model/") for k in m) and reward.state_dict() == {}
+
+
+@pytest.fixture()
+def nan_rm(small_rm, tmp_path):
+    """The small reward model with the embedding of the digit 9 made NaN: any input holding a 9 scores NaN."""
+    path, _ = small_rm
+    out = str(tmp_path / "nan_rm")
+    shutil.copytree(path, out)
+    weights = load_file(os.path.join(out, "model.safetensors"))
+    tok = RewardModel(path, "raw", "fp32", CPU, 4096).tokenizer
+    weights["model.embed_tokens.weight"][tok.convert_tokens_to_ids("9")] = float("nan")
+    save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_a_nan_score_is_a_reward_failure(nan_rm, process_group):
+    from common.precision import TrainingFault
+    from common.rewards import check_step_rewards
+    reward = step_reward("exact", 0.0, flags(nan_rm))
+    rewards, correct, failures, m = score(reward, ["1+1=", "4+5=", "1+2="], ["2", "9", "3"], ["2", "9", "3"],
+                                          [True, True, True])
+    assert failures == 1 and rewards[1] == 0.0
+    assert all(math.isfinite(r) for r in rewards) and correct == [1.0, 1.0, 1.0]
+    assert m["reward_model/score_mean"] == pytest.approx((rewards[0] + rewards[2]) / 2)
+    every = score(reward, ["9+9="], ["18"], ["18"], [True])
+    with pytest.raises(TrainingFault, match="every reward check"):
+        check_step_rewards(1, every[2], 1, CPU)
+
+
+def test_a_nan_forward_is_refused_before_training(nan_rm):
+    with pytest.raises(ValueError, match="its forward gives nan"):
+        step_reward("exact", 0.0, flags(nan_rm),
+                    probe=[{"problem": "4+5=", "answer": "9"}, {"problem": "1+1=", "answer": "2"}])
+
+
+def test_normalize_and_clip(small_rm, process_group):
+    """--rm-normalize: (s - mean) / sqrt(var + 1e-8) over every score so far, this step's included; --rm-clip
+    after it; the running state goes through state_dict into a new Reward."""
+    path, _ = small_rm
+    reward = step_reward("exact", 0.0, flags(path, rm_normalize=True, rm_clip=1.0))
+    texts = [("1+1=", "2"), ("47+38=", "85"), ("9+90=", "99"), ("3+4=", "8")]
+    raw1 = RewardModel(path, "raw", "fp32", CPU, 4096).score(*zip(*texts))
+    r1, _, _, m1 = score(reward, [p for p, _ in texts], [r for _, r in texts], ["0"] * 4, [True] * 4)
+    all1 = torch.tensor(raw1, dtype=torch.float64)
+    want = ((all1 - all1.mean()) / torch.sqrt(all1.var(unbiased=False) + 1e-8)).clamp(-1, 1)
+    torch.testing.assert_close(torch.tensor(r1, dtype=torch.float64), want)
+    clipped = ((all1 - all1.mean()) / all1.std(unbiased=False)).abs().gt(1).sum().item()
+    assert 0 < clipped < 4 and m1["reward_model/clip_frac"] == clipped / 4
+    assert m1["reward_model/running_mean"] == pytest.approx(all1.mean().item(), rel=1e-12)
+    state = json.loads(json.dumps(reward.state_dict()))  # as trainer_state.json keeps it
+    again = step_reward("exact", 0.0, flags(path, rm_normalize=True, rm_clip=1.0))
+    again.load_state_dict(state)
+    r2, r2_again = (score(r, [p for p, _ in texts[:2]], [x for _, x in texts[:2]], ["0"] * 2, [True] * 2)[0]
+                    for r in (reward, again))
+    assert r2 == r2_again
+    both = torch.cat([all1, all1[:2]])
+    want2 = ((all1[:2] - both.mean()) / torch.sqrt(both.var(unbiased=False) + 1e-8)).clamp(-1, 1)
+    torch.testing.assert_close(torch.tensor(r2, dtype=torch.float64), want2)
+
+
+def test_running_mean_std_merges_batches_exactly():
+    torch.manual_seed(0)
+    batches = [torch.randn(n, dtype=torch.float64) * 3 + 5 for n in (1, 7, 30, 2)]
+    rms = RunningMeanStd()
+    for b in batches:
+        rms.update(len(b), b.sum().item(), (b * b).sum().item())
+    everything = torch.cat(batches)
+    assert rms.count == len(everything)
+    assert rms.mean == pytest.approx(everything.mean().item(), rel=1e-12)
+    assert rms.std == pytest.approx(everything.std(unbiased=False).item(), rel=1e-9)
+
+
+class ListScorer:
+    """A stand-in for RewardModel in the two-rank test below: it returns the float of each response text, so that
+    each rank's scores are known exactly (the scoring itself is tested above)."""
+
+    def score(self, prompts, responses):
+        return [float(r) for r in responses]
+
+
+def _normalize_on_rank(rank, port, values, out):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    reward = step_reward("exact", 0.0, RewardModelFlags())
+    reward.model, reward.learned = ListScorer(), RewardModelFlags(reward_model="x", rm_normalize=True)
+    reward.norm = RunningMeanStd()
+    mine = values[rank]
+    rewards, _, _, m = score(reward, ["1+1="] * len(mine), [str(v) for v in mine], ["2"] * len(mine),
+                             [True] * len(mine))
+    out[rank, :len(mine)] = torch.tensor(rewards, dtype=torch.float64)
+    out[rank, 3:] = torch.tensor([m["reward_model/score_max"], m["reward_model/score_min"]], dtype=torch.float64)
+    dist.destroy_process_group()
+
+
+def test_normalization_statistics_are_global_over_ranks():
+    """Two ranks with different numbers of scores each normalize by the mean and std of all of them, and log the
+    maximum and minimum of all of them."""
+    values = [[1.0, 2.0], [3.0, 4.0, 10.0]]
+    out = torch.zeros(2, 5, dtype=torch.float64).share_memory_()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_normalize_on_rank, args=(port, values, out), nprocs=2)
+    every = torch.tensor(values[0] + values[1], dtype=torch.float64)
+    want = (every - every.mean()) / torch.sqrt(every.var(unbiased=False) + 1e-8)
+    torch.testing.assert_close(torch.cat([out[0, :2], out[1, :3]]), want)
+    assert out[:, 3].tolist() == [10.0, 10.0] and out[:, 4].tolist() == [1.0, 1.0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad input: refused with one line before training
+
+
+def test_bad_reward_model_directories(tiny_model_dir, small_rm, tmp_path):
+    path, _ = small_rm
+    with pytest.raises(ValueError, match="no scalar head"):  # a causal LM
+        check_reward_model(flags(tiny_model_dir), "{problem}")
+    two = str(tmp_path / "two_labels")
+    shutil.copytree(path, two)
+    with open(os.path.join(two, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["id2label"] = {"0": "bad", "1": "good"}
+    with open(os.path.join(two, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="2 labels"):
+        check_reward_model(flags(two), "{problem}")
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        check_reward_model(flags(str(tmp_path / "missing")), "{problem}")
+    # the prompts are chat turns: the reward model needs a chat template, and to have been trained on them
+    with pytest.raises(ValueError, match="trained on 'raw' inputs"):
+        check_reward_model(flags(path), "chat:{problem}")
+    untold = str(tmp_path / "untold")
+    shutil.copytree(path, untold)
+    os.remove(os.path.join(untold, "reward_model.json"))  # a reward model from elsewhere: no record of its format
+    with pytest.raises(ValueError, match="no chat template"):
+        check_reward_model(flags(untold), "chat:{problem}")
+    with pytest.raises(ValueError, match="--rm-normalize"):
+        check_reward_model(RewardModelFlags(rm_normalize=True), "{problem}")
+    with pytest.raises(ValueError, match="--rm-clip"):
+        check_reward_model(flags(path, rm_clip=-1.0), "{problem}")
+
+
+def test_bad_pairs_files(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "chosen": "2"}\n')
+    with pytest.raises(ValueError, match="'rejected' missing"):
+        read_pairs(str(bad))
+
+
+def assert_one_line_error(p, message):
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and message in errors[0], p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "pg_is.py", "gspo.py", "ppo.py", "cispo.py"])
+def test_every_script_refuses_a_causal_lm_as_reward_model_before_a_model_loads(script, tiny_model_dir, tmp_path):
+    p = subprocess.run([sys.executable, script, "--run-dir", str(tmp_path / "run"), "--reward-model",
+                        tiny_model_dir], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert_one_line_error(p, "no scalar head")
+    assert "[setup]" not in p.stdout and "[reward]" not in p.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the scripts against a reward model, on the built-in task
+
+
+def run(args, nproc=1):
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                if nproc > 1 else [sys.executable])
+    p = subprocess.run(launcher + args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+def steps_of(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f) if "train/accuracy" in r}
+
+
+def test_grpo_against_an_inverted_reward_model_unlearns_the_task(builtin_rm, tmp_path):
+    """The learned reward is what trains: against the reward model with its head negated (it prefers wrong sums),
+    grpo.py's true accuracy (the rule's, train/accuracy) falls while the score it is trained on rises; the
+    reward_model/* keys are logged every step and the evaluation stays the rule's."""
+    path, _, _ = builtin_rm
+    inverted = str(tmp_path / "inverted")
+    shutil.copytree(path, inverted)
+    weights = load_file(os.path.join(inverted, "model.safetensors"))
+    weights["score.weight"] = -weights["score.weight"]
+    save_file(weights, os.path.join(inverted, "model.safetensors"), metadata={"format": "pt"})
+    run_dir = str(tmp_path / "run")
+    p = run(["grpo.py", "--run-dir", run_dir, "--reward-model", inverted, "--num-steps", "5", "--lr", "2e-3",
+             "--eval-every", "0", "--eval-max-problems", "16", "--save-every", "0"])
+    assert "[reward] learned reward" in p.stdout and "its tokenizer is the policy's" in p.stdout
+    rows = steps_of(run_dir)
+    # 512 responses a step: the standard deviation of an accuracy near 0.4 is sqrt(0.24 / 512) = 0.022; a fall of
+    # 0.15 from step 1 (sampled before any update) to step 5 is 5 of those on either side
+    assert rows[5]["train/accuracy"] < rows[1]["train/accuracy"] - 0.15, [rows[s]["train/accuracy"] for s in rows]
+    assert rows[5]["reward_model/score_mean"] > rows[1]["reward_model/score_mean"]
+    for r in rows.values():
+        assert r["reward_model/score_min"] <= r["reward_model/score_mean"] <= r["reward_model/score_max"]
+        assert r["reward_model/score_std"] >= 0 and r["time/reward"] > 0
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        evals = [r for r in map(json.loads, f) if "eval/eval/accuracy" in r]
+    assert evals and all(0 <= r["eval/eval/accuracy"] <= 1 for r in evals)
+
+
+def test_ppo_with_normalization_resumes_exactly(builtin_rm, tmp_path):
+    """ppo.py against the reward model with --rm-normalize and --rm-clip, under torchrun with 2 ranks: interrupted
+    after step 2 and resumed, its step 3 is the uninterrupted run's (the running mean and std come back from
+    trainer_state.json, where they count every scored response of steps 1-2 over both ranks)."""
+    path, _, _ = builtin_rm
+    args = ["ppo.py", "--reward-model", path, "--rm-normalize", "--rm-clip", "2", "--num-prompts", "16",
+            "--group-size", "4", "--eval-every", "0", "--save-every", "1", "--keep-last", "0"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    run(args + ["--run-dir", a, "--num-steps", "3"], nproc=2)
+    step2 = os.path.join(a, "checkpoints", "step_000002")
+    run(args + ["--run-dir", b, "--num-steps", "3", "--resume", step2], nproc=2)  # as if a had stopped after step 2
+    ra, rb = steps_of(a), steps_of(b)
+    keys = ["train/accuracy", "train/loss", "critic/value_loss", "reward_model/score_mean",
+            "reward_model/running_mean", "reward_model/running_std", "reward_model/clip_frac"]
+    assert [ra[3][k] for k in keys] == [rb[3][k] for k in keys]
+    with open(os.path.join(step2, "trainer_state.json")) as f:
+        running = json.load(f)["reward"]["running"]
+    scored = sum(64 * (1 - ra[s]["train/truncated_frac"]) - ra[s]["train/reward_failures"] for s in (1, 2))
+    assert running["count"] == pytest.approx(scored)
+    assert running["mean"] == pytest.approx(ra[2]["reward_model/running_mean"])
+
+
+def test_pairs_from_policy_samples_then_a_reward_model_from_the_command_line(tmp_path):
+    """tasks/reward_pairs.py on the built-in policy: every pair is a right answer chosen over a wrong one of the same
+    problem (the exact rule's verdicts), distinct; tasks/reward_model.py trains on them into a directory the scripts
+    load, and refuses an existing one."""
+    from tasks.builtin import ensure_builtin_task
+    task = ensure_builtin_task()
+    pairs = str(tmp_path / "pairs.jsonl")
+    p = subprocess.run([sys.executable, "-m", "tasks.reward_pairs", "--model", task["model"], "--dataset",
+                        task["train"], "--out", pairs, "--prompt-template", "{problem}", "--reward", "exact",
+                        "--k", "4", "--max-problems", "64", "--max-response-len", "8", "--sampler", "hf",
+                        "--precision", "fp32"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(pairs) as f:
+        rows = [json.loads(line) for line in f]
+    assert rows and len({r["problem"] for r in rows}) <= 64
+    for r in rows:
+        assert r["prompt"] == r["problem"] and r["chosen"] != r["rejected"]
+        assert exact_match_reward(r["chosen"], r["answer"]) == 1 and exact_match_reward(r["rejected"], r["answer"]) == 0
+    out = str(tmp_path / "rm")
+    cmd = [sys.executable, "-m", "tasks.reward_model", "--base", task["model"], "--pairs", pairs, "--out-dir", out,
+           "--lr", "1e-3", "--batch-size", "16", "--eval-frac", "0.2"]
+    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "held-out pair accuracy" in p.stderr and check_reward_model(flags(out), "{problem}") == "raw"
+    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert_one_line_error(p, "exists")
+
+
+def test_builtin_takes_no_other_flag():
+    from tasks.reward_model import Args, main
+    with pytest.raises(ValueError, match="--builtin takes no other flag.*--lr"):
+        main(Args(builtin=True, lr=1e-3))
