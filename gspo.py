@@ -28,14 +28,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 # CPU runs on 2 shared cores 3x slower (docs/results.md, "On a CPU")
 import torch
 
-from common import batches, cli, exact, logprobs, metrics, preflight, rundir
-from common.data import load_task
+from common import batches, cli, data, exact, logprobs, metrics, preflight, reward_model, rewards, rundir
 from common.dist import print0, seed_everything, setup_distributed
 from common.fsdp import iter_full_state, load_policy
 from common.logger import Logger
 from common.precision import LossScaler, TrainingFault, check_finite_logprobs, resolve_precisions
-from common.reward_model import RewardModelField, RewardModelFlags
-from common.rewards import Reward, evaluate
 from common.sampler import make_sampler
 from corrections import measure  # GSPO: the mismatch and the ratio's diagnostics, no correction
 
@@ -67,7 +64,7 @@ class Args:
     """response length limit in tokens, and L_max of Dr.GRPO's constant normalizer"""
     truncated_reward: float = 0.0
     """reward of a response cut at the length limit (no end-of-sequence token)"""
-    learned_reward: RewardModelField = dataclasses.field(default_factory=RewardModelFlags)
+    learned_reward: reward_model.RewardModelField = dataclasses.field(default_factory=reward_model.RewardModelFlags)
     """a reward model's score as the reward that trains: --reward-model and its --rm-* flags (docs/reward-models.md)"""
     temperature: float = 1.0
     """sampling temperature of training rollouts; the trainer divides its logits by it too"""
@@ -179,12 +176,12 @@ def main(args: Args) -> None:
                         cli.run_config(__file__, args))
 
     # --- data: the tokenizer, the training and evaluation problems (the built-in task's, without --model)
-    model_path, tokenizer, problems, eval_sets = load_task(args.model, args.dataset, infra.eval_dataset,
-                                                            args.prompt_template, args.max_prompt_len,
-                                                            infra.eval_max_problems)
+    model_path, tokenizer, problems, eval_sets = data.load_task(args.model, args.dataset, infra.eval_dataset,
+                                                                 args.prompt_template, args.max_prompt_len,
+                                                                 infra.eval_max_problems)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    reward = Reward(args.reward, args.truncated_reward, tokenizer, device, rank == 0, args.learned_reward,
-                    args.prompt_template, args.train_precision or args.precision, probe=problems[:8])  # --reward-model
+    reward = rewards.Reward(args.reward, args.truncated_reward, tokenizer, device, rank == 0, args.learned_reward,
+                            args.prompt_template, args.train_precision or args.precision, probe=problems[:8])
 
     # --- models: the trainer (FSDP2, fp32 master weights) and the sampler (its own copy, rollout precision)
     weights_path = run.resume_dir or model_path
@@ -205,8 +202,8 @@ def main(args: Args) -> None:
     def run_eval(step: int) -> None:
         if eval_sets:
             sampler.wake_up()
-            logger.log(evaluate(sampler, tokenizer, eval_sets, infra, args.max_response_len, args.reward, rank,
-                                world_size, device), step, advance=False)
+            logger.log(rewards.evaluate(sampler, tokenizer, eval_sets, infra, args.max_response_len, args.reward,
+                                        rank, world_size, device), step, advance=False)
             sampler.sleep()
 
     # before any step: do the forward's activations fit the train and rollout precisions? (a clear error now, rather
