@@ -36,7 +36,7 @@ def test_step_statistics():
     with stats.phase("train"):
         pass
     rollout.log(stats)
-    problems = [{"answer": "111"}, {"answer": "2222"}]
+    problems = [{"problem": "1+1+1", "answer": "111"}, {"problem": "2+2", "answer": "2222"}]
     rewards_B = Reward("exact", 1.0, Tok(), torch.device("cpu"), progress=False)(1, rollout, problems, stats)
     assert rewards_B.tolist() == [1.0, 1.0, 0.0, 1.0]  # the cut response gets --truncated-reward (here 1)
     m = stats.reduce(all_ranks=False)
