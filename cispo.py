@@ -28,7 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 # CPU runs on 2 shared cores 3x slower (docs/results.md, "On a CPU")
 import torch
 
-from common import batches, cli, data, exact, logprobs, metrics, preflight, reward_model, rewards, rundir
+from common import batches, cli, data, exact, logprobs, metrics, preflight, rewards, rundir
 from common.dist import print0, seed_everything, setup_distributed
 from common.fsdp import iter_full_state, load_policy
 from common.logger import Logger
@@ -64,7 +64,7 @@ class Args:
     """response length limit in tokens"""  # CISPO: its normalizer is the token count, not L_max
     truncated_reward: float = 0.0
     """reward of a response cut at the length limit (no end-of-sequence token)"""
-    learned_reward: reward_model.RewardModelField = dataclasses.field(default_factory=reward_model.RewardModelFlags)
+    learned_reward: rewards.RewardModelField = dataclasses.field(default_factory=rewards.RewardModelFlags)
     """a reward model's score as the reward that trains: --reward-model and its --rm-* flags (docs/reward-models.md)"""
     temperature: float = 1.0
     """sampling temperature of training rollouts; the trainer divides its logits by it too"""

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import batches, cli, data, exact, logprobs, metrics, preflight, reward_model, rewards, rundir
+from common import batches, cli, data, exact, logprobs, metrics, preflight, rewards, rundir
 from common.dist import print0, reduce_stats, seed_everything, setup_distributed
 from common.fsdp import full_tensor, iter_full_state, load_policy, load_sharded
 from common.logger import Logger
@@ -66,7 +66,7 @@ class Args:
     """response length limit in tokens, and L_max of Dr.GRPO's constant normalizer"""
     truncated_reward: float = 0.0
     """reward of a response cut at the length limit (no end-of-sequence token)"""
-    learned_reward: reward_model.RewardModelField = dataclasses.field(default_factory=reward_model.RewardModelFlags)
+    learned_reward: rewards.RewardModelField = dataclasses.field(default_factory=rewards.RewardModelFlags)
     """a reward model's score as the reward that trains: --reward-model and its --rm-* flags (docs/reward-models.md)"""
     temperature: float = 1.0
     """sampling temperature of training rollouts; the trainer divides its logits by it too"""

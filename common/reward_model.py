@@ -26,6 +26,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from common.data import is_chat
+from common.logprobs import split_microbatches
+from common.precision import DTYPES
+from common.preflight import check_model_dir
 
 INFO_FILE = "reward_model.json"  # written by tasks/reward_model.py beside the weights: the format it was trained on
 
@@ -56,8 +62,6 @@ RewardModelField = tyro.conf.OmitArgPrefixes[RewardModelFlags]
 def check_reward_model(flags: RewardModelFlags, prompt_template: str) -> str | None:
     """Everything about --reward-model that can be checked before a model loads; raises a one-line ValueError or
     FileNotFoundError. Returns the input format the run will use ('chat' or 'raw'), None without a reward model."""
-    from common.data import is_chat
-    from common.preflight import check_model_dir
     path = flags.reward_model
     if path is None:
         default = RewardModelFlags()
@@ -95,7 +99,6 @@ def check_reward_model(flags: RewardModelFlags, prompt_template: str) -> str | N
                          f"{fmt!r} ones (--prompt-template {prompt_template!r}): train it with --format {fmt}, or "
                          "choose a prompt template of its kind")
     if fmt == "chat":
-        from transformers import AutoTokenizer
         if not getattr(AutoTokenizer.from_pretrained(path), "chat_template", None):
             raise ValueError(f"{where}: its tokenizer has no chat template, and this run's prompts are chat turns "
                              f"(--prompt-template {prompt_template!r}): give it one, or use a raw prompt template")
@@ -186,9 +189,6 @@ class RewardModel:
     """A reward model loaded for scoring: a whole copy on `device` in `precision`, eval mode, no gradient."""
 
     def __init__(self, path: str, fmt: str, precision: str, device, batch_tokens: int):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        from common.precision import DTYPES
         path = os.path.expanduser(path)
         self.path, self.fmt, self.precision, self.device, self.batch_tokens = path, fmt, precision, device, batch_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -203,7 +203,6 @@ class RewardModel:
     def score_ids(self, seqs: list[list[int]]) -> list[float]:
         """The score of each token sequence, in float (nan or inf as the model gives them; nan for a sequence
         longer than the model's positions, which is not run)."""
-        from common.logprobs import split_microbatches
         scores = [math.nan] * len(seqs)
         fits = [i for i, s in enumerate(seqs) if s and (self.max_len is None or len(s) <= self.max_len)]
         if len(fits) < len(seqs) and not self.too_long_reported:

@@ -19,8 +19,11 @@ from fractions import Fraction
 
 import torch
 
+from common.data import prompt_text
 from common.dist import print0, reduce_stats
 from common.precision import TrainingFault
+from common.reward_model import (RewardModel, RewardModelField, RewardModelFlags,  # noqa: F401 (the scripts' flags)
+                                  RunningMeanStd, check_reward_model)
 from workers import reward_pool
 
 PLUGIN_TIMEOUT_S = 5.0  # time limit of one call of a plug-in reward (--reward module:function), as math_reward's
@@ -285,8 +288,6 @@ class Reward:
         self.model = self.norm = None
         if learned is None or learned.reward_model is None:
             return
-        from common.data import prompt_text
-        from common.reward_model import RewardModel, RunningMeanStd, check_reward_model
         fmt = check_reward_model(learned, template)
         precision = learned.rm_precision or precision
         self.model = RewardModel(learned.reward_model, fmt, precision, device, learned.rm_batch_tokens)
@@ -329,7 +330,6 @@ class Reward:
             rewards, failures = score_rollout(responses, answers, finished, self.kind, self.truncated_reward,
                                               self.progress)
             return rewards, rewards, failures
-        from common.data import prompt_text
         # the rule measures: a cut response is not a correct one, whatever --truncated-reward gives it
         correct, rule_failures = score_rollout(responses, answers, finished, self.kind, 0.0, self.progress)
         todo = [i for i, done in enumerate(finished) if done]
