@@ -160,12 +160,16 @@ def test_trainer_step_runs_grpos_own_loss(tmp_path, process_group, monkeypatch):
     # micro-batch (budget 256)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_vllm_generate_on_grpo_batches(tmp_path):
     """The standalone engine on grpo.py's first batches: one row per batch, both timings, the right sequence count;
-    and the sampler section's VLLMSampler (another subprocess): tokens/s per batch size and the weight sync."""
+    the sampler section's VLLMSampler (another subprocess): tokens/s per batch size and the weight sync; and with
+    --profile, batch 1 once more under torch.profiler, its figures in the results and its operator tables in a file
+    (no GPU here: no busy time)."""
     run(["--only", "sampler,vllm_generate", "--sampler-variants", "vllm", "--sampler-precision", "fp32",
-         "--precisions", "fp32", "--rl-steps", "2", "--rl-max-response-len", "8", "--name", "gen"], tmp_path)
+         "--precisions", "fp32", "--rl-steps", "2", "--rl-max-response-len", "8", "--name", "gen", "--profile"],
+        tmp_path)
     data, md = load(tmp_path, "gen")
     assert [(r["sampler"], r["batch"]) for r in data["sampler"]] == [("VLLMSampler", 4), ("VLLMSampler", 8)]
     assert all(r["tok_s"] > 0 for r in data["sampler"]) and data["sync"][0]["sampler"] == "VLLMSampler"
@@ -173,16 +177,6 @@ def test_vllm_generate_on_grpo_batches(tmp_path):
     assert [r["batch"] for r in rows] == [1, 2] and all(r["sequences"] == 4 * 2 for r in rows)
     assert all(r["llm_generate_tokens"] > 0 and r["sampler_generate_tok_s"] > 0 for r in rows)
     assert "## The same vLLM engine standalone" in md
-
-
-def test_vllm_generate_profile(tmp_path):
-    """--profile: batch 1 once more under torch.profiler, its figures in the results and its operator tables in a
-    file (no GPU here: no busy time)."""
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed")
-    run(["--only", "vllm_generate", "--precisions", "fp32", "--rl-steps", "1", "--rl-max-response-len", "8",
-         "--name", "gen", "--profile"], tmp_path)
-    data, md = load(tmp_path, "gen")
     prof = data["vllm_generate_profile"]
     assert prof["sequences"] == 8 and prof["tokens"] > 0 and 1 <= prof["decode_steps"] <= 8
     assert prof["profiled_s"] > 0 and prof["gpu_busy_s"] is None

@@ -1,35 +1,17 @@
-"""Tests for the built-in addition task (tasks/builtin.py). One real build (~45 s on 2 CPU cores),
-done by two concurrent processes racing on a fresh directory; every other test reuses its result."""
+"""Tests for the built-in addition task (tasks/builtin.py): the task as the scripts build it on first use, in the cache
+(~90 s on 2 CPU cores, once per machine; concurrent callers build it once: tests/test_task_cache.py)."""
 import json
 import os
-import subprocess
-import sys
-import time
 
 import pytest
 
 from tasks.builtin import ensure_builtin_task, make_datasets, sample_accuracy
 from tasks.cache import MARKER
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="session")
-def built(tmp_path_factory):
-    cache_dir = str(tmp_path_factory.mktemp("builtin") / "task")
-    code = ("import json; from tasks.builtin import ensure_builtin_task; "
-            f"print('PATHS=' + json.dumps(ensure_builtin_task({cache_dir!r})))")
-    env = dict(os.environ, PYTHONPATH=REPO)
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    return {"dir": cache_dir, "rcs": [p.returncode for p in procs], "outs": outs}
-
-
-@pytest.fixture(scope="session")
-def paths(built):
-    assert built["rcs"] == [0, 0], built["outs"]
-    return ensure_builtin_task(built["dir"])
+def paths():
+    return ensure_builtin_task()
 
 
 @pytest.fixture(scope="session")
@@ -41,16 +23,6 @@ def loaded(paths):
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f]
-
-
-def test_concurrent_build_once(built, paths):
-    assert built["rcs"] == [0, 0], built["outs"]
-    printed = [json.loads(line[len("PATHS="):]) for out in built["outs"] for line in out.splitlines()
-               if line.startswith("PATHS=")]
-    assert printed == [paths, paths]
-    assert sum(out.count("[builtin] building") for out in built["outs"]) == 1
-    parent = os.path.dirname(built["dir"])
-    assert not [n for n in os.listdir(parent) if ".tmp" in n]  # no leftover build dirs
 
 
 def test_files_exist_and_load(paths, loaded):
@@ -114,13 +86,11 @@ def test_accuracy_band(paths, loaded):
     assert abs(acc - info["sampled_acc_t1"]) < 0.15, (acc, info["sampled_acc_t1"])
 
 
-def test_second_call_is_cached(paths, built, monkeypatch):
-    marker = os.path.join(built["dir"], MARKER)
+def test_second_call_is_cached(paths, monkeypatch):
+    task_dir = os.path.dirname(paths["model"])
+    marker = os.path.join(task_dir, MARKER)
     mtime = os.path.getmtime(marker)
-    t0 = time.time()
-    assert ensure_builtin_task(built["dir"]) == paths
-    monkeypatch.setenv("BUILTIN_TASK_DIR", built["dir"])  # env var picks the cache dir when none is given
+    assert ensure_builtin_task(task_dir) == paths
+    monkeypatch.setenv("BUILTIN_TASK_DIR", task_dir)  # the env var picks the cache dir when none is given
     assert ensure_builtin_task() == paths
-    assert time.time() - t0 < 1.0
-    assert os.path.getmtime(marker) == mtime
-
+    assert os.path.getmtime(marker) == mtime  # not built again

@@ -1,10 +1,14 @@
 """tasks/cache.py: build once into the cache, under a lock, atomically; the one helper behind every task's files."""
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 
 from tasks.cache import MARKER, build_once, ensure_problem_splits
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def writer(calls, content="x"):
@@ -22,6 +26,33 @@ def test_builds_once_and_leaves_no_temporary(tmp_path):
     assert build_once(out, writer(calls)) == out  # complete: not built again
     assert len(calls) == 1 and sorted(os.listdir(out)) == [MARKER, "data.txt"]
     assert not glob.glob(out + ".tmp*")
+
+
+# Two processes race on a fresh directory (as torchrun's ranks do on a first run): the build sleeps, so the second one
+# usually finds the lock taken; whichever order they run in, one builds and both return the complete directory.
+RACER = """
+import os, sys, time
+from tasks.cache import build_once
+def build(tmp):
+    print("building", flush=True)
+    time.sleep(2)
+    with open(os.path.join(tmp, "data.txt"), "w") as f:
+        f.write(str(os.getpid()))
+print("DIR=" + build_once(sys.argv[1], build))
+"""
+
+
+def test_concurrent_callers_build_once(tmp_path):
+    out = str(tmp_path / "task")
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, out], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sum(o.count("building") for o in outs) == 1, outs
+    assert all(f"DIR={out}" in o.splitlines() for o in outs), outs
+    assert sorted(os.listdir(out)) == [MARKER, "data.txt"] and not glob.glob(out + ".tmp*")
+    with open(os.path.join(out, "data.txt")) as f:
+        assert int(f.read()) in [p.pid for p in procs]
 
 
 def test_a_failed_build_leaves_nothing_taken_as_done(tmp_path):
