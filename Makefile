@@ -33,7 +33,7 @@ MODEL ?=
 PARTS_DIR ?=
 fetch-model = $(PY) -m tasks.real_model --name $(1) $(if $(PARTS_DIR),--parts-dir "$(PARTS_DIR)")
 
-.PHONY: install run test test-multirank-loop sanity sanity-ci sanity-real sanity-cot real-model reward-model \
+.PHONY: install run test test-slow test-multirank-loop sanity sanity-ci sanity-real sanity-cot real-model reward-model \
 	reward-model-real bench clean
 
 install: $(VENV)/.installed
@@ -54,7 +54,12 @@ run: install
 	$(PY) grpo.py --overwrite
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not slow" tests
+
+# the tests marked slow (the tools' end-to-end runs: the sanity gate, the benchmark's vLLM sections, the anatomy;
+# about 4 minutes): outside CI's time budget, run them before a change to sanity/, bench/ or the anatomy lands
+test-slow: install
+	$(PY) -m pytest -q -m slow tests
 
 # an abort at process exit shows only now and then: run the multi-rank checks many times (minutes; not part of CI)
 test-multirank-loop: install

@@ -10,6 +10,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a tool's end-to-end run of a minute or more (the sanity gate, the "
+                            "benchmark's vLLM sections, the anatomy): `make test-slow`, not part of `make test`")
+
+
 CHARS = list("0123456789+=abcdefghijklmnopqrstuvwxyz ")
 
 

@@ -92,6 +92,7 @@ def test_report_has_every_part():
         assert part in md, part
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_anatomy_on_cpu_with_vllm(tmp_path):
     """The built-in model in fp32 on a CPU, vLLM's CPU build against the trainer: every op group of every layer is

@@ -222,6 +222,7 @@ REDUCED = ["--algorithms", "grpo", "--precisions", "fp32", "--must-pass-precisio
            "--max-problems", "80"]
 
 
+@pytest.mark.slow
 def test_reduced_sanity_run_passes_and_can_fail(tmp_path):
     out = str(tmp_path / "sanity")
     p = run([sys.executable, "sanity/run_sanity.py", "--out-dir", out, *REDUCED, "--num-steps", "150",
@@ -249,6 +250,7 @@ def test_reduced_sanity_run_passes_and_can_fail(tmp_path):
     assert res["runs"][0]["steps_run"] == 6
 
 
+@pytest.mark.slow
 def test_parallel_runs_of_grpo_variants_with_the_analysis_beside(tmp_path):
     """--parallel 2: grpo and grpo_token_tis (grpo.py --is-correction token-tis) side by side, the analysis beside
     them; every run gets its own directory, flags and result, in the order asked."""
