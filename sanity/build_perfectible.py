@@ -38,9 +38,8 @@ if ROOT not in sys.path:  # `python sanity/build_perfectible.py` from anywhere
     sys.path.insert(0, ROOT)
 
 import numpy as np
-import tyro
 
-from common.cli import config_changes
+from common.cli import config_changes, parse
 from common.dist import print0
 
 
@@ -193,10 +192,7 @@ def histogram_lines(hist: dict) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> Args:
     """The command line over Args' defaults; when it names no --model, over the built-in task's preset BUILTIN."""
-    args = tyro.cli(Args, args=argv)
-    if args.model is None:
-        args = tyro.cli(Args, args=argv, default=dataclasses.replace(Args(), **BUILTIN))
-    return args
+    return parse(Args, BUILTIN, argv)
 
 
 def validate(args: Args) -> None:

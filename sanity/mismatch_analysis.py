@@ -37,9 +37,8 @@ if ROOT not in sys.path:  # `python sanity/mismatch_analysis.py` from anywhere
 
 import numpy as np
 import torch
-import tyro
 
-from common.cli import config_changes
+from common.cli import config_changes, parse
 from common.dist import print0
 
 Precision = Literal["fp16", "bf16", "fp32"]
@@ -225,10 +224,7 @@ def plot_log_ratio(series: dict, out: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> Args:
     """The command line over Args' defaults; when it names no --model, over the built-in task's preset BUILTIN."""
-    args = tyro.cli(Args, args=argv)
-    if args.model is None:
-        args = tyro.cli(Args, args=argv, default=dataclasses.replace(Args(), **BUILTIN))
-    return args
+    return parse(Args, BUILTIN, argv)
 
 
 def validate(args: Args) -> None:

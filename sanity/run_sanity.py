@@ -41,9 +41,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python sanity/run_sanity.py` from anywhere
     sys.path.insert(0, ROOT)
 
-import tyro
 
-from common.cli import config_changes
+from common.cli import config_changes, parse
 from sanity.report import fmt, md_table, pass_check, plot_curves, read_metrics
 
 Algorithm = Literal["grpo", "grpo_token_tis", "grpo_seq_mis", "pg_is", "gspo", "ppo"]
@@ -311,10 +310,7 @@ def write_report(args: Args, argv: list[str], results: list[dict], hist: dict, v
 
 def parse_args(argv: list[str] | None = None) -> Args:
     """The command line over Args' defaults; when it names no --model, over the built-in task's preset BUILTIN."""
-    args = tyro.cli(Args, args=argv)
-    if args.model is None:
-        args = tyro.cli(Args, args=argv, default=dataclasses.replace(Args(), **BUILTIN))
-    return args
+    return parse(Args, BUILTIN, argv)
 
 
 def validate(args: Args) -> None:
