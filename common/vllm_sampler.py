@@ -41,6 +41,20 @@ def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
     return [lp[t].logprob for lp, t in zip(logprobs, ids)]
 
 
+
+def rollout_of(prompts: list[list[int]], outputs) -> Rollout:
+    """A Rollout of what llm.generate returned for `prompts`: each prompt's responses in order, their sampled tokens'
+    log-probs (fp32), finished where the response ended with a stop token rather than at the length limit."""
+    out = Rollout()
+    for prompt, request in zip(prompts, outputs):
+        for c in request.outputs:
+            ids = list(c.token_ids)
+            out.prompt_ids.append(prompt)
+            out.response_ids.append(ids)
+            out.logprobs.append(torch.tensor(_sampled_logprobs(c.logprobs, ids), dtype=torch.float32))
+            out.finished.append(c.finish_reason == "stop")
+    return out
+
 class VLLMSampler:
     def __init__(self, model_path: str, dtype: torch.dtype, seed: int, max_model_len: int, tp: int = 1,
                  gpu_memory_utilization: float = 0.3, sleep_level: int = 1, kv_cache_gib: float = 0.0,
@@ -163,12 +177,4 @@ class VLLMSampler:
                    if prompts else [])
         if self.tp_group is not None:  # this rank's own share back
             prompts, outputs = prompts[offset:offset + mine], outputs[offset:offset + mine]
-        out = Rollout()
-        for prompt, request in zip(prompts, outputs):
-            for c in request.outputs:
-                ids = list(c.token_ids)
-                out.prompt_ids.append(prompt)
-                out.response_ids.append(ids)
-                out.logprobs.append(torch.tensor(_sampled_logprobs(c.logprobs, ids), dtype=torch.float32))
-                out.finished.append(c.finish_reason == "stop")
-        return out
+        return rollout_of(prompts, outputs)

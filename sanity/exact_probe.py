@@ -126,19 +126,10 @@ def rollout_mixed(sampler, prompts, max_tokens, n, temperature):
     """VLLMSampler.generate with a length limit per prompt, so that one engine batch mixes short and long responses
     (the engine's steps then mix prefills and decodes of many lengths). Returns a common.sampler.Rollout."""
     from vllm.inputs import TokensPrompt
-    from common.batches import Rollout
-    from common.vllm_sampler import _sampled_logprobs
+    from common.vllm_sampler import rollout_of
     params = [sampler.sampling_params(n, m, temperature) for m in max_tokens]
-    outputs = sampler.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    out = Rollout()
-    for prompt, request in zip(prompts, outputs):
-        for c in request.outputs:
-            ids = list(c.token_ids)
-            out.prompt_ids.append(prompt)
-            out.response_ids.append(ids)
-            out.logprobs.append(torch.tensor(_sampled_logprobs(c.logprobs, ids), dtype=torch.float32))
-            out.finished.append(c.finish_reason == "stop")
-    return out
+    return rollout_of(prompts, sampler.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                                    use_tqdm=False))
 
 
 def compare_logprobs(old: list[torch.Tensor], mu: list[torch.Tensor]) -> dict:
