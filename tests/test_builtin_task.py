@@ -86,11 +86,16 @@ def test_accuracy_band(paths, loaded):
     assert abs(acc - info["sampled_acc_t1"]) < 0.15, (acc, info["sampled_acc_t1"])
 
 
-def test_second_call_is_cached(paths, monkeypatch):
+def test_second_call_is_cached(paths, tmp_path, monkeypatch):
     task_dir = os.path.dirname(paths["model"])
     marker = os.path.join(task_dir, MARKER)
     mtime = os.path.getmtime(marker)
     assert ensure_builtin_task(task_dir) == paths
-    monkeypatch.setenv("BUILTIN_TASK_DIR", task_dir)  # the env var picks the cache dir when none is given
-    assert ensure_builtin_task() == paths
     assert os.path.getmtime(marker) == mtime  # not built again
+    # the env var picks the cache dir when none is given: another directory, marked complete (so nothing is built)
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / MARKER).write_text("ok\n")
+    monkeypatch.setenv("BUILTIN_TASK_DIR", str(other))
+    assert ensure_builtin_task() == {"model": str(other / "model"), "train": str(other / "train.jsonl"),
+                                     "eval": str(other / "eval.jsonl")}
