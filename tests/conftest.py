@@ -55,7 +55,29 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def process_group():
     from common.dist import setup_distributed
+    _session_group.append(True)
     return setup_distributed()
+
+
+_session_group = []  # not empty once the session made its process group
+
+
+def _group_back() -> None:
+    """A vLLM engine's shutdown takes the default process group down with it: the tests after it get the group back
+    as the session made it (setup_distributed does nothing while one exists)."""
+    if _session_group and not torch.distributed.is_initialized():
+        from common.dist import setup_distributed
+        setup_distributed()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_group_for_the_module():  # (a module's fixtures may need it: autouse ones come first in their scope)
+    _group_back()
+
+
+@pytest.fixture(autouse=True)
+def _process_group_for_the_test():
+    _group_back()
 
 
 def fp32_rounding_bound(cfg, seq_len: int, n_tokens: int, backward: bool) -> float:
