@@ -193,7 +193,7 @@ def main(args: Args) -> None:
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     scaler = LossScaler(enabled=train_dtype == torch.float16, max_consecutive_skips=infra.max_skipped_steps)
-    monitor = metrics.MismatchMonitor(infra.kl_warn_factor, infra.kl_baseline_steps)  # early warning of collapse
+    monitor = metrics.MismatchMonitor(infra.kl_warn_factor, infra.kl_baseline_steps, exact=infra.exact)  # warnings
     sampler = make_sampler(infra, weights_path, rollout_dtype, device, args.seed, rank,
                            args.max_prompt_len + args.max_response_len)
     exact.attach(model, sampler)  # --exact: the trainer's forward on the engine's kernels (docs/exact.md)
@@ -236,17 +236,19 @@ def main(args: Args) -> None:
         rewards_B = reward(step, rollout, batch, stats)
         adv_B = std_advantages(rewards_B, args.group_size)  # CISPO
 
-        # --- 3. recompute old_logp with the trainer (the weights that sampled the batch), and the entropy
+        # --- 3. recompute old_logp with the trainer (the weights that sampled the batch), and the entropy; with
+        # --exact only now and then (exact.recompute_due: old_logp is mu bit for bit, and the count checks it)
+        recomputed = recompute and exact.recompute_due(infra, step, start_step + 1)
         with stats.phase("recompute"):
-            groups = batches.micro_batches(rollout.seq_lens(), args.micro_batch_tokens, device) if recompute else []
+            groups = batches.micro_batches(rollout.seq_lens(), args.micro_batch_tokens, device) if recomputed else []
             old_logp = logprobs.recompute_logprobs(model, rollout, groups, pad_id, args.temperature,
                                                    infra.logprob_chunk, device, stats)
 
         # --- 4. the mismatch of the sampler's mu_logp and the trainer's old_logp, every response token; the weights
         mask_BT, mu_BT = rollout.mask(), rollout.padded(rollout.logprobs)
-        old_BT = rollout.padded(old_logp) if recompute else mu_BT
+        old_BT = rollout.padded(old_logp) if recomputed else mu_BT
         check_finite_logprobs(step, mask_BT, device, train_dtype, rollout_dtype, old_logp=old_BT, mu_logp=mu_BT)
-        if recompute:  # (with --old-logp mu: from the first mini-batch's forward, in 5)
+        if recomputed:  # (with --old-logp mu: from the first mini-batch's forward, in 5)
             args.corrections.measure(stats, old_BT, mu_BT, mask_BT)
         w_BT = args.corrections.weights(stats, old_BT, mu_BT, mask_BT)
 
@@ -259,7 +261,7 @@ def main(args: Args) -> None:
             for k, minibatch in enumerate(minibatches):
                 for idx in minibatch:
                     ids, attn, rmask = rollout.rows(idx, pad_id, device)
-                    first = k == 0 and not recompute  # before any update: these are pi_old's log-probs
+                    first = k == 0 and not recomputed  # before any update: these are pi_old's log-probs
                     logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, infra.logprob_chunk,
                                             with_entropy=first)
                     old_mb, mu_mb, w_mb, adv_mb = batches.on_device(device, idx, rmask.shape[1],
@@ -286,7 +288,7 @@ def main(args: Args) -> None:
 
         # --- 7. log
         step_metrics = {**stats.reduce(), **scaler.log(), "optim/lr": args.lr}
-        kl_metrics, warning = monitor.update(step_metrics["mismatch/kl_k3"])
+        kl_metrics, warning = monitor.update(step_metrics)
         logger.log({**step_metrics, **kl_metrics}, step)
         if warning:
             print0(warning)

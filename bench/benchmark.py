@@ -802,7 +802,8 @@ def bench_rl_step(res: Results, args, model_dir):
     comparison in one benchmark run."""
     model, data = rl_task(args, model_dir)
     res.start("rl_step", {"runs": []})
-    keep = ("step", "time/", "mem/", "perf/", "train/response_len_mean", "train/truncated_frac", "mismatch/kl_k3")
+    keep = ("step", "time/", "mem/", "perf/", "train/response_len_mean", "train/truncated_frac", "mismatch/kl_k3",
+            "mismatch/unequal_tokens")
     flags = ["--model", model, "--dataset", data, "--sampler", args.rl_sampler, "--num-steps", str(args.rl_steps),
              "--num-prompts", str(args.rl_num_prompts), "--group-size", str(args.rl_group_size),
              "--max-response-len", str(args.rl_max_response_len), "--max-prompt-len", str(args.rl_max_prompt_len),
@@ -843,6 +844,9 @@ def bench_rl_step(res: Results, args, model_dir):
         entry["steps"] = read_steps()
         if code:
             res.note(f"rl_step {run['label']}: grpo.py exited {code}; its last lines: " + " | ".join(tail))
+        unequal = [st["step"] for st in entry["steps"] if st.get("mismatch/unequal_tokens")]
+        if "--exact" in run["args"] and unequal:  # the count, not kl_k3 (which rounds tiny differences to 0)
+            res.note(f"rl_step {run['label']}: --exact NOT bitwise: mismatch/unequal_tokens > 0 at steps {unequal}")
         res.write()
         for st in entry["steps"]:
             print0(f"[{now()}] rl_step {run['label']} step {st.get('step')}: " + ", ".join(

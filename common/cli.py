@@ -50,12 +50,14 @@ class Infra:
     also discards the weights (reloaded from the trainer before sampling), 0 keeps everything"""
     exact: bool = False
     """exact on-policy log-probs (docs/exact.md): vLLM runs in its batch-invariant mode and the trainer's forward calls
-    the same kernels op by op on unpadded sequences, so old_logp equals mu bit for bit. Qwen2 models, vLLM 0.25.1,
-    --vllm-tp 1, a Hopper GPU, the same fp16 or bf16 on both sides; --compile has no effect then"""
-    exact_vllm_graphs: bool = False
-    """with --exact: vLLM keeps torch.compile and CUDA graphs (every custom op on its own kernel) instead of running
-    eager. Measured NOT bitwise (sanity/exact_probe.py on one H100: 18 of 7,776 tokens equal, kl_k3 1.6e-5 at bf16,
-    where eager gives 0): the mismatch is smaller than the default's but not gone"""
+    the same kernels op by op on unpadded sequences, so old_logp equals mu bit for bit (mismatch/unequal_tokens 0).
+    Qwen2, Qwen3 and Llama models, vLLM 0.25.1, --vllm-tp 1, a Hopper GPU, the same fp16 or bf16 on both sides;
+    --compile has no effect then"""
+    exact_check_every: int = 10
+    """with --exact: the recompute forward (step 3) runs on the first step of a run (or of a resume) and every N
+    steps after, and its mismatch/unequal_tokens must be 0; on the other steps old_logp is mu, which is what the
+    recompute would give bit for bit, and mismatch/*, train/entropy come from the first mini-batch's forward
+    (1: every step)"""
     # --- memory and speed
     gradient_checkpointing: bool = True
     """recompute decoder layers' activations in the backward pass"""
@@ -149,7 +151,7 @@ def _finite(x):
 RANGES = {
     **{name: (lambda x: x >= 1, "at least 1") for name in (
         "num_steps", "num_prompts", "num_minibatches", "micro_batch_tokens", "max_prompt_len", "max_response_len",
-        "sampler_batch_size", "vllm_tp", "logprob_chunk", "kl_baseline_steps", "eval_k")},
+        "sampler_batch_size", "vllm_tp", "logprob_chunk", "kl_baseline_steps", "eval_k", "exact_check_every")},
     **{name: (lambda x: x >= 0, "at least 0") for name in (
         "seed", "max_skipped_steps", "eval_every", "eval_max_problems", "save_every", "keep_last")},
     "group_size": (lambda x: x >= 2, "at least 2: the advantages' baseline is the group's mean reward, so a group of "
@@ -214,8 +216,7 @@ def validate(args, world_size: int, **ranges) -> None:
     if infra.exact:  # refused here, before a model loads, where exact mode is not supported
         train, rollout = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
         plan_for_run(args.model, train_precision=precision_name(train), rollout_precision=precision_name(rollout),
-                     sampler=resolve_sampler(infra.sampler)[0], vllm_tp=infra.vllm_tp, top_p=args.top_p,
-                     graphs=infra.exact_vllm_graphs)
+                     sampler=resolve_sampler(infra.sampler)[0], vllm_tp=infra.vllm_tp, top_p=args.top_p)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -35,9 +35,17 @@ from common.dist import print0
 from common.fsdp import decoder_layers
 
 PINNED_VLLM = "0.25.1"
-SUPPORTED = (f"--exact supports Qwen2-family models (model_type qwen2: SiLU MLP, default RoPE, no sliding window, "
-             f"head_dim 64 or 128) sampled by vLLM {PINNED_VLLM} (--sampler vllm, --vllm-tp 1) on a Hopper GPU "
-             "(compute capability 9.x), fp16 or bf16 on both sides, top-p 1")
+MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED = (f"--exact supports Qwen2, Qwen3 and Llama models (model_type {', '.join(MODEL_TYPES)}: SiLU MLP without "
+             "biases, default RoPE, no sliding window, head_dim 64 or 128, a vocabulary a multiple of 64) sampled by "
+             f"vLLM {PINNED_VLLM} (--sampler vllm, --vllm-tp 1) on a Hopper GPU (compute capability 9.x), fp16 or bf16 "
+             "on both sides, top-p 1")
+# How vLLM runs the model in exact mode (engine_kwargs): "graphs", CUDA graphs of decode steps captured over the same
+# kernels as eager (compilation mode NONE, so no torch.compile / Inductor), the default; "eager", no graphs; "compiled",
+# vLLM's torch.compile with CUDA graphs and every custom op on its kernel, which is NOT bitwise (Inductor regenerates
+# kernels, e.g. the RMSNorm's with an fp64 eps): kept only for sanity/exact_probe.py to show it.
+ENGINES = ("graphs", "eager", "compiled")
+VOCAB_PADDING = 64  # vLLM's ParallelLMHead pads the vocabulary to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -48,7 +56,7 @@ class ExactPlan:
     """How both sides run in exact mode. The defaults are what --exact uses; sanity/exact_probe.py tries the others."""
     head_dim: int
     attention: str  # vLLM's attention backend: "FLASH_ATTN" (FA3, head_dim 128) or "TRITON_ATTN" (head_dim 64)
-    graphs: bool = False  # vLLM keeps torch.compile and CUDA graphs (custom_ops=["all"]) instead of running eager
+    engine: str = "graphs"  # how vLLM runs its model (ENGINES)
     runner: str = "v2"  # vLLM's model runner, whose log-prob kernel the trainer calls: "v2" or "v1"
     rmsnorm_patch: bool = True  # vLLM's fused add + RMSNorm replaced by the fixed-order version (install_rmsnorm_patch)
     fused: bool = True  # the trainer's q/k/v and gate/up as one matmul on concatenated weights, as vLLM's layers run
@@ -57,7 +65,7 @@ class ExactPlan:
 
 def check_exact(config: dict | None, *, train_precision: str, rollout_precision: str, sampler: str, vllm_tp: int,
                 top_p: float, vllm_version: str | None, capability: tuple[int, int] | None,
-                graphs: bool = False) -> ExactPlan:
+                engine: str = "graphs") -> ExactPlan:
     """The plan for exact mode, or ValueError with one line saying what is wrong and what is supported. Pure: the
     model's config (a dict, as config.json; None: the built-in task's, which is refused), the run's settings and the machine's facts (exact_facts) are arguments."""
     def refuse(problem: str):
@@ -83,25 +91,37 @@ def check_exact(config: dict | None, *, train_precision: str, rollout_precision:
     if config is None:
         refuse("--exact needs --model (the built-in task's tiny model is not one it supports)")
     model_type = config.get("model_type")
-    if model_type != "qwen2":
+    if model_type not in MODEL_TYPES:
         refuse(f"--exact: the model is {model_type!r}")
     if config.get("hidden_act", "silu") != "silu":
         refuse(f"--exact: hidden_act {config['hidden_act']!r}")
+    if config.get("mlp_bias"):
+        refuse("--exact: the MLP has biases")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
         refuse(f"--exact: RoPE {rope_type!r} with partial_rotary_factor {rope.get('partial_rotary_factor', 1.0)}")
     if config.get("use_sliding_window"):
         refuse("--exact: the model uses a sliding window")
-    if config.get("qk_norm") or config.get("is_causal", True) is not True:
+    if (model_type != "qwen3" and config.get("qk_norm")) or config.get("is_causal", True) is not True:
         refuse("--exact: the model has q/k norms or bidirectional attention")
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    head_dim = config["hidden_size"] // heads  # vLLM's Qwen2Attention derives it so, ignoring config.head_dim
-    if config.get("head_dim") not in (None, head_dim) or config["hidden_size"] % heads or heads % kv_heads:
-        refuse(f"--exact: head_dim {config.get('head_dim')} differs from hidden_size / heads = {head_dim}")
+    if model_type == "qwen2":  # vLLM's Qwen2Attention derives it so, ignoring config.head_dim
+        head_dim = config["hidden_size"] // heads
+        if config.get("head_dim") not in (None, head_dim) or config["hidden_size"] % heads:
+            refuse(f"--exact: head_dim {config.get('head_dim')} differs from hidden_size / heads = {head_dim}")
+    else:  # Qwen3Attention and LlamaAttention read config.head_dim
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    if heads % kv_heads:
+        refuse(f"--exact: {heads} attention heads do not divide into {kv_heads} key/value heads")
     if head_dim not in (64, 128):
         refuse(f"--exact: head_dim {head_dim}")
-    return ExactPlan(head_dim=head_dim, attention="FLASH_ATTN" if head_dim == 128 else "TRITON_ATTN", graphs=graphs)
+    if config.get("vocab_size", 0) % VOCAB_PADDING:  # vLLM pads its head to a multiple of 64 rows: on one H200 a
+        # 42-token vocabulary left a few tokens 1-4 fp32 ulps apart, where 64 and 128 gave none (docs/exact.md)
+        refuse(f"--exact: vocabulary size {config['vocab_size']} is not a multiple of {VOCAB_PADDING}")
+    if engine not in ENGINES:
+        raise ValueError(f"exact engine {engine!r}: one of {ENGINES}")
+    return ExactPlan(head_dim=head_dim, attention="FLASH_ATTN" if head_dim == 128 else "TRITON_ATTN", engine=engine)
 
 
 def exact_facts() -> tuple[str | None, tuple[int, int] | None]:
@@ -412,7 +432,11 @@ class ExactForward:
 
     def linear(self, x, weights: list, biases: list | None = None):
         """x @ W.T for the weights stacked along the output dimension (vLLM's QKVParallelLinear and
-        MergedColumnParallelLinear hold them as one matrix), then the biases added separately, as vLLM adds them."""
+        MergedColumnParallelLinear hold them as one matrix), then the biases added separately, as vLLM adds them.
+        `biases`: one per weight, None where the layer has none (Llama, Qwen3: no biases at all)."""
+        biases = [b for b in biases or [] if b is not None]
+        if biases and len(biases) != len(weights):
+            raise ValueError("exact mode: some of the stacked projections have a bias and some not")
         if self.fused or len(weights) == 1:
             w = weights[0] if len(weights) == 1 else torch.cat(weights)
             y = _Linear.apply(x, w, self.k.linear)
@@ -425,7 +449,8 @@ class ExactForward:
         return torch.cat(ys, dim=-1)
 
     def layer(self, layer, s, pack: Pack):
-        """One Qwen2 decoder layer on the residual stream s (N x hidden): vLLM's Qwen2DecoderLayer.forward."""
+        """One decoder layer on the residual stream s (N x hidden): vLLM's Qwen2DecoderLayer.forward (Llama's is the
+        same without biases; Qwen3's adds an RMSNorm of each head's q and k before RoPE)."""
         at, mlp, i = layer.self_attn, layer.mlp, layer.self_attn.layer_idx
         hd = at.head_dim
         nq, nkv = at.q_proj.weight.shape[0], at.k_proj.weight.shape[0]
@@ -434,14 +459,20 @@ class ExactForward:
         qkv = self._tap("qkv", i, self.linear(h, [at.q_proj.weight, at.k_proj.weight, at.v_proj.weight],
                                               [at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]))
         q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+        n = q.shape[0]
+        if getattr(at, "q_norm", None) is not None:  # Qwen3Attention: each head's q and k normed ([N, heads, D])
+            q = _RMSNorm.apply(q.view(n, -1, hd), at.q_norm.weight, at.q_norm.variance_epsilon,
+                               self.k.rms_norm).view(n, nq)
+            k = _RMSNorm.apply(k.view(n, -1, hd), at.k_norm.weight, at.k_norm.variance_epsilon,
+                               self.k.rms_norm).view(n, nkv)
+            self._tap("qk_norm", i, q)
         q, k = _Rope.apply(q, k, pack.positions_N, self.cos_sin_cache, hd, self.k.rope)
         self._tap("rope_q", i, q)
         self._tap("rope_k", i, k)
-        n = q.shape[0]
         o = _Attention.apply(q.view(n, -1, hd), k.view(n, -1, hd), v.reshape(n, -1, hd), pack, at.scaling,
                              self.k.attention).reshape(n, nq)
         self._tap("attention", i, o)
-        o = self._tap("o_proj", i, self.linear(o, [at.o_proj.weight]))
+        o = self._tap("o_proj", i, self.linear(o, [at.o_proj.weight], [at.o_proj.bias]))
         s = self._tap("residual_mid", i, o + s)
         h = self._tap("post_norm", i, _RMSNorm.apply(s, layer.post_attention_layernorm.weight,
                                                      layer.post_attention_layernorm.variance_epsilon,
@@ -537,15 +568,24 @@ def remove_rmsnorm_patch(layernorm=None) -> None:
 
 
 def engine_kwargs(plan: ExactPlan) -> dict:
-    """The LLM(...) arguments of exact mode: the attention backend (FA3 pinned for FLASH_ATTN) and either eager
-    execution or compile + CUDA graphs with every CustomOp on its CUDA kernel (with the default compile, RMSNorm,
-    SiLU-and-mul and RoPE are generated by Inductor, which the trainer cannot call)."""
+    """The LLM(...) arguments of exact mode: the attention backend (FA3 pinned for FLASH_ATTN) and how the model runs
+    (ENGINES). "graphs": compilation mode NONE (no torch.compile: with it, Inductor generates the norm, activation and
+    RoPE kernels, which the trainer cannot call) and full CUDA graphs of the decode steps only, every custom op on its
+    CUDA kernel, so that a graph replays the kernels an eager step launches (TorchTitan's bitwise RL runs vLLM so);
+    prefills run eager. A graph pads a decode batch to a capture size: harmless here, every kernel is row-wise."""
     attention = {"backend": plan.attention}
     if plan.attention == "FLASH_ATTN":
         attention["flash_attn_version"] = 3
-    if plan.graphs:
+    if plan.engine == "graphs":
+        return {"attention_config": attention, "enforce_eager": False,
+                "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["all"]}}
+    if plan.engine == "compiled":
         return {"attention_config": attention, "enforce_eager": False, "compilation_config": {"custom_ops": ["all"]}}
     return {"attention_config": attention, "enforce_eager": True}
+
+
+def _enum_name(value) -> str:
+    return getattr(value, "name", str(value))  # (an IntEnum's str() is its number)
 
 
 def engine_facts(llm, model_runner) -> dict:
@@ -567,6 +607,8 @@ def engine_facts(llm, model_runner) -> dict:
                             for m in model.modules() if hasattr(m, "_forward_method")},
             "custom_ops": list(config.compilation_config.custom_ops),
             "enforce_eager": config.model_config.enforce_eager,
+            "compilation_mode": _enum_name(getattr(config.compilation_config, "mode", None)),
+            "cudagraph_mode": _enum_name(getattr(config.compilation_config, "cudagraph_mode", None)),
             "batch_invariant": bool(envs.VLLM_BATCH_INVARIANT),
             "rope_cache": rotary.cos_sin_cache.detach().clone() if rotary is not None else None}
 
@@ -586,10 +628,18 @@ def verify_engine(plan: ExactPlan, facts: dict) -> None:
     if facts.get("window", (-1, -1)) != (-1, -1) or facts.get("softcap", 0):
         problems.append(f"attention window {facts.get('window')}, softcap {facts.get('softcap')} (the trainer runs "
                         "neither)")
-    native = [name for name in ("RMSNorm", "SiluAndMul", "RotaryEmbedding")  # the ops the trainer calls
-              if facts["op_forwards"].get(name, "forward_cuda") != "forward_cuda"]
+    ops = ("RMSNorm", "SiluAndMul", "RotaryEmbedding")  # the ops the trainer calls, as vLLM's model holds them
+    missing = [name for name in ops if name not in facts["op_forwards"]]
+    if missing:
+        problems.append(f"the model has no {', '.join(missing)} (another class runs there, which the trainer does "
+                        "not mirror)")
+    native = [name for name in ops if facts["op_forwards"].get(name, "forward_cuda") != "forward_cuda"]
     if native:
         problems.append(f"custom ops not on their vLLM kernels: {', '.join(native)}")
+    if plan.engine == "graphs" and (facts.get("compilation_mode"), facts.get("cudagraph_mode")) != \
+            ("NONE", "FULL_DECODE_ONLY"):
+        problems.append(f"compilation mode {facts.get('compilation_mode')} with CUDA graphs "
+                        f"{facts.get('cudagraph_mode')}, not NONE with FULL_DECODE_ONLY")
     if facts["rope_cache"] is None:
         problems.append("no rotary cos_sin_cache found")
     if problems:
@@ -669,12 +719,13 @@ def describe(plan: ExactPlan, facts: dict) -> str:
     """One line: what both sides run in exact mode."""
     attention = (f"FA3 (FlashAttention {facts['fa_version']})" if plan.attention == "FLASH_ATTN"
                  else "Triton unified attention")
-    return (f"vLLM batch-invariant, {'compiled with CUDA graphs' if plan.graphs else 'eager'}, model runner "
-            f"{facts['runner']}, {attention} on {facts['block_size']}-token pages, RMSNorm patch "
-            f"{'on' if plan.rmsnorm_patch else 'off'}; the trainer calls the same kernels "
+    engine = {"graphs": "CUDA graphs of decode steps over the eager kernels (no torch.compile)", "eager": "eager",
+              "compiled": "torch.compile with CUDA graphs"}[plan.engine]
+    return (f"vLLM batch-invariant, {engine}, model runner {facts['runner']}, {attention} on "
+            f"{facts['block_size']}-token pages, RMSNorm patch {'on' if plan.rmsnorm_patch else 'off'}; the trainer calls the same kernels "
             f"({'fused' if plan.fused else 'per-projection'} q/k/v and gate/up, {'paged' if plan.paged else 'packed'} "
-            "K/V)" + ("; NOT bitwise: compiled vLLM's forward differs from the ops the trainer calls (on one H100, "
-                       "kl_k3 1.6e-5 at bf16 against 0 eager: docs/exact.md)" if plan.graphs else ""))
+            "K/V)" + ("; NOT bitwise: compiled vLLM's forward differs from the ops the trainer calls (docs/exact.md)"
+                      if plan.engine == "compiled" else ""))
 
 
 def enable_exact(model, plan: ExactPlan, facts: dict) -> ExactForward:
@@ -696,3 +747,11 @@ def attach(model, sampler) -> None:
     if plan is not None:
         enable_exact(model, plan, sampler.exact_facts)
         print0(f"[exact] {describe(plan, sampler.exact_facts)}")
+
+
+def recompute_due(infra, step: int, first_step: int) -> bool:
+    """Whether step 3's recompute forward runs at `step`: always, except with --exact, where the trainer's old_logp is
+    the sampler's mu bit for bit, so the recompute runs only on the run's (or the resume's) first step and every
+    --exact-check-every steps, to count the unequal tokens over the whole batch; on the other steps old_logp is mu,
+    and the first mini-batch's forward, before any update, still counts them on its tokens."""
+    return not infra.exact or step == first_step or step % infra.exact_check_every == 0

@@ -1,6 +1,7 @@
 """A step's metrics (StepStats: added where they are computed, reduced over all ranks once), the training-inference
 mismatch of every step (mismatch: the mismatch/* keys of docs/algorithms.md) and the early warning of collapse
 (MismatchMonitor)."""
+import math
 import time
 from contextlib import contextmanager
 
@@ -73,7 +74,8 @@ class StepStats:
 
     def reduce(self, all_ranks: bool = True) -> dict:
         """Collective: every metric, over all ranks (all_ranks=False: this process's alone, no collective); time/step
-        from construction to here. A mean whose count is 0 is 0."""
+        from construction to here. A mean over nothing (its count 0) and a maximum or minimum of nothing (-inf, inf)
+        are NaN, never a number that looks measured."""
         means, sums = sorted(self.counts), sorted(k for k in self.totals if k not in self.counts)
         hi, lo = sorted(self.maxes), sorted(self.mins)
         s = torch.tensor([float(self.totals[k]) for k in means + sums] + [float(self.counts[k]) for k in means],
@@ -85,10 +87,11 @@ class StepStats:
             dist.all_reduce(m, op=dist.ReduceOp.MAX)
         s, m = s.tolist(), m.tolist()
         n = len(means)
-        out = {k: s[i] / max(s[n + len(sums) + i], 1.0) for i, k in enumerate(means)}
+        nan = float("nan")
+        out = {k: s[i] / s[n + len(sums) + i] if s[n + len(sums) + i] else nan for i, k in enumerate(means)}
         out.update((k, s[n + i]) for i, k in enumerate(sums))
-        out.update((k, m[i]) for i, k in enumerate(hi))
-        out.update((k, -m[len(hi) + i]) for i, k in enumerate(lo))
+        out.update((k, m[i] if m[i] != -math.inf else nan) for i, k in enumerate(hi))
+        out.update((k, -m[len(hi) + i] if m[len(hi) + i] != -math.inf else nan) for i, k in enumerate(lo))
         out.update(self.values)
         for key, (amount, phase) in self.rates.items():
             out[key] = out.pop(amount) / self.values[f"time/{phase}"]
@@ -113,20 +116,36 @@ def mismatch(stats: StepStats, old_logp_BT: torch.Tensor, mu_logp_BT: torch.Tens
     stats.add("mismatch/seq_log_ratio_mean", seq_log_ratio_B.sum(), n_seq)
     stats.min("mismatch/seq_log_ratio_min", seq_log_ratio_B.min())
     stats.max("mismatch/seq_log_ratio_max", seq_log_ratio_B.max())
+    # a count, not an estimate: kl_k3 is exactly 0 in fp32 for |d| < 2^-23 although the log-probs differ
+    unequal_BT = (old_logp_BT != mu_logp_BT) & mask_BT
+    stats.add("mismatch/unequal_tokens", unequal_BT.sum())
+    stats.add("mismatch/unequal_frac", unequal_BT.sum(), n_tok)
+    stats.max("mismatch/logp_abs_diff_max", torch.where(mask_BT, d.abs(), float("-inf")).max())
 
 
 class MismatchMonitor:
     """Early warning of collapse: the mean kl_k3 of the last `window` steps over that of the first `window` (floored at
     `floor`), a warning past `factor` (docs/algorithms.md, "The collapse warning"). Its state goes into checkpoints."""
 
-    def __init__(self, factor: float, window: int, floor: float = 1e-6):
-        self.factor, self.window, self.floor = factor, window, floor
+    def __init__(self, factor: float, window: int, floor: float = 1e-6, exact: bool = False):
+        self.factor, self.window, self.floor, self.exact = factor, window, floor, exact
         self.baseline: float | None = None
         self.recent: list[float] = []  # the first `window` values until the baseline exists, then the last `window`
         self.warning = False
 
-    def update(self, kl: float) -> tuple[dict, str | None]:
-        """Metrics for this step, and a message when the warning switches on or off."""
+    def update(self, step_metrics: dict) -> tuple[dict, str | None]:
+        """Metrics for this step (from its mismatch/* metrics), and a message when the warning switches on or off, or
+        in exact mode (exact=True) at every step whose log-probs were not all equal to the sampler's."""
+        out, message = self._growth(step_metrics["mismatch/kl_k3"])
+        unequal = step_metrics.get("mismatch/unequal_tokens", 0)
+        if self.exact and unequal:
+            message = (f"[exact] {unequal:.0f} response tokens' log-probs differ from the sampler's (max |diff| "
+                       f"{step_metrics.get('mismatch/logp_abs_diff_max', float('nan')):.3g}): exact mode is not "
+                       "bitwise on this setup; check the [exact] line at start and docs/exact.md (supported models, "
+                       "the pinned vLLM)" + (f"\n{message}" if message else ""))
+        return out, message
+
+    def _growth(self, kl: float) -> tuple[dict, str | None]:
         if self.factor <= 0 or not self.window:
             return {}, None
         self.recent = (self.recent + [kl])[-self.window:]

@@ -42,7 +42,7 @@ def make_sampler(flags, model_path: str, dtype: torch.dtype, device, seed: int, 
         if getattr(flags, "exact", False):
             name = precision_name(dtype)
             plan = plan_for_run(model_path, train_precision=name, rollout_precision=name, sampler=kind, vllm_tp=tp,
-                                top_p=1.0, graphs=flags.exact_vllm_graphs)
+                                top_p=1.0)
         return VLLMSampler(model_path, dtype, stream_seed(seed, rank // tp), max_model_len, tp,
                            flags.vllm_gpu_memory_utilization, sleep_level, flags.vllm_kv_cache_gib, exact=plan)
     return HFSampler(model_path, dtype, device, stream_seed(seed, rank), flags.sampler_batch_size)

@@ -10,22 +10,24 @@ Variants:
   matmul per projection, the lm_head; FA3 and the Triton attention at head_dim 64 and 128: a row's output from a
   packed prefill, a paged prefill, a decode step, a mixed step (a prefill chunk beside decodes), alone or in a batch;
   the log-prob and temperature kernels on 1 row against many; each op's backward against autograd of fp32 torch.
-- eager-v2: the engine as --exact runs it (eager, Model Runner V2, the RMSNorm patch). Hooks on vLLM's layers during
+- graphs-v2: the engine as --exact runs it (CUDA graphs of decode steps over the eager kernels, no torch.compile,
+  Model Runner V2, the RMSNorm patch): end to end only (a graph runs no hooks), as eager-v2's end to end.
+- eager-v2: the same engine without graphs. Hooks on vLLM's layers during
   one prefill step (6 requests, 720 tokens) and the decode step after it: every op of the trainer's exact forward
   applied to vLLM's own inputs, compared with vLLM's outputs (decode attention: the trainer's causal attention over
   the whole sequence, its last row); then end to end: a rollout of mixed lengths recomputed by the trainer, with
   fused / per-projection q/k/v and gate/up and paged / packed K/V, at temperature 1 and 0.7; the default trainer
   (Hugging Face path) beside it, for its mismatch.
-- graphs-v2: vLLM compiled with CUDA graphs, every custom op on its kernel (--exact-vllm-graphs): end to end only
-  (a compiled engine runs no hooks).
+- compiled-v2: vLLM's torch.compile with CUDA graphs, every custom op on its kernel: end to end only; NOT bitwise
+  (Inductor regenerates kernels), kept to show it.
 - eager-v2-nopatch: as eager-v2 without the RMSNorm patch (vLLM's own C++ fused add + RMSNorm): shows what the patch
   is for. eager-v1: Model Runner V1 (its log-softmax), the trainer calling that one.
-The secondary variants (graphs, nopatch, v1) run on the first model and precision only, unless --full. --parallel
+The secondary variants (eager, compiled, nopatch, v1) run on the first model and precision only, unless --full. --parallel
 processes run at once (a probe's numbers do not depend on what else runs on the GPU).
 
     python sanity/exact_probe.py                                  # random 2-layer models of the 1.5B and 0.5B shapes
     python sanity/exact_probe.py --model DIR --precisions bf16    # a real model
-    python sanity/exact_probe.py --variants kernels eager-v2 --shapes hd128
+    python sanity/exact_probe.py --variants kernels graphs-v2 --shapes hd128
 """
 import dataclasses
 import json
@@ -44,9 +46,10 @@ if ROOT not in sys.path:
 import torch
 import tyro
 
-VARIANTS = {"kernels": None, "eager-v2": {}, "graphs-v2": {"graphs": True},
-            "eager-v2-nopatch": {"rmsnorm_patch": False}, "eager-v1": {"runner": "v1"}}
-SECONDARY = ("graphs-v2", "eager-v2-nopatch", "eager-v1")
+VARIANTS = {"kernels": None, "graphs-v2": {}, "eager-v2": {"engine": "eager"},
+            "compiled-v2": {"engine": "compiled"}, "eager-v2-nopatch": {"engine": "eager", "rmsnorm_patch": False},
+            "eager-v1": {"engine": "eager", "runner": "v1"}}
+SECONDARY = ("eager-v2", "compiled-v2", "eager-v2-nopatch", "eager-v1")
 # random 2-layer Qwen2 models with the layer shapes of Qwen2.5-1.5B (head_dim 128: FA3) and -0.5B (64: Triton)
 SHAPES = {"hd128": dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
                         tie_word_embeddings=False),
@@ -68,7 +71,7 @@ class Args:
     precisions: tuple[Literal["bf16", "fp16"], ...] = ("bf16", "fp16")
     """precisions probed"""
     variants: tuple[str, ...] = tuple(VARIANTS)
-    """which variants (kernels, eager-v2, graphs-v2, eager-v2-nopatch, eager-v1)"""
+    """which variants (kernels, graphs-v2, eager-v2, compiled-v2, eager-v2-nopatch, eager-v1)"""
     full: bool = False
     """run the secondary variants on every model and precision too"""
     timeout_s: int = 600
@@ -336,7 +339,7 @@ def engine_probes(rows_path: str, variant: str, model_dir: str, name: str, preci
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[precision], attn_implementation="sdpa")
     model = PolicyModel(lm.to("cuda")).eval()
     ex = enable_exact(model, plan, facts)
-    if not plan.graphs:
+    if plan.engine == "eager":
         rows.run("hooks", lambda: hook_probes(rows, sampler, model, ex, lm.config.vocab_size))
     rows.run("end to end", lambda: end_to_end(rows, sampler, model, ex, plan, lm.config.vocab_size))
     sampler.shutdown()

@@ -85,7 +85,7 @@ class Args:
     softmax, mean and bmm replaced by vLLM's Triton kernels and TF32 off (docs/exact.md)"""
     vllm_eager: bool = True
     """run vLLM eager (the hooks of (i) need it); False: as grpo.py's sampler (compiled, CUDA graphs; with --exact,
-    --exact-vllm-graphs), and (i) is skipped"""
+    CUDA graphs over the eager kernels), and (i) is skipped"""
     seed: int = 1
     """seed of the prompt subset and of the sampler"""
     prompt_template: str = "chat"
@@ -623,7 +623,7 @@ def validate(args: Args) -> None:
 def exact_plan(args: Args, model_path: str, precision: str):
     from common.exact import plan_for_run
     return plan_for_run(model_path, train_precision=precision, rollout_precision=precision, sampler="vllm",
-                        vllm_tp=1, top_p=1.0, graphs=not args.vllm_eager)
+                        vllm_tp=1, top_p=1.0, engine="eager" if args.vllm_eager else "graphs")
 
 
 def run_precision(args: Args, p: str, model_path: str, prompts: list[list[int]], device) -> dict:

@@ -36,14 +36,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--precision", required=True, choices=["fp16", "bf16"])
-    ap.add_argument("--graphs", action="store_true", help="vLLM compiled with CUDA graphs (ExactPlan.graphs)")
+    ap.add_argument("--engine", default="graphs", help="how vLLM runs the model (common.exact.ENGINES)")
     ap.add_argument("--prompts", type=int, default=12, help="prompts per rank (4 responses each at temperature 1)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     a = ap.parse_args()
     rank, world, device = setup_distributed()
     dtype = DTYPES[a.precision]
     plan = plan_for_run(a.model, train_precision=a.precision, rollout_precision=a.precision, sampler="vllm",
-                        vllm_tp=1, top_p=1.0, graphs=a.graphs)
+                        vllm_tp=1, top_p=1.0, engine=a.engine)
     t0 = time.perf_counter()
     model = load_policy(a.model, dtype, device, gradient_checkpointing=True, compile=False)
     sampler = VLLMSampler(a.model, DTYPES[a.precision], seed=1000 + rank, max_model_len=a.max_model_len,

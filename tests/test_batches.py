@@ -49,7 +49,7 @@ def test_step_statistics():
 def test_means_sums_maxima_and_minima_add_up_over_micro_batches():
     stats = StepStats(torch.device("cpu"))
     stats.add("a", torch.tensor(1.0), 2)
-    stats.update({"a": (torch.tensor(2.0), 1), "b": (3.0, 0)})  # a count of 0: the mean is 0, not a division by 0
+    stats.update({"a": (torch.tensor(2.0), 1), "b": (3.0, 0)})  # a count of 0: a mean over nothing is NaN
     stats.add("s", 1.5)
     stats.add("s", 2.0)
     stats.max("x", torch.tensor(-1.0))
@@ -57,8 +57,11 @@ def test_means_sums_maxima_and_minima_add_up_over_micro_batches():
     stats.min("y", 4.0)
     stats.min("y", torch.tensor(2.0))
     stats.set("v", 7.0)
+    stats.max("none", float("-inf"))  # a maximum and a minimum of nothing: NaN too
+    stats.min("nothing", float("inf"))
     m = stats.reduce(all_ranks=False)
-    assert (m["a"], m["b"], m["s"], m["x"], m["y"], m["v"]) == (1.0, 3.0, 3.5, -1.0, 2.0, 7.0)
+    assert (m["a"], m["s"], m["x"], m["y"], m["v"]) == (1.0, 3.5, -1.0, 2.0, 7.0)
+    assert math.isnan(m["b"]) and math.isnan(m["none"]) and math.isnan(m["nothing"])
 
 
 def test_grad_norm_is_the_mean_of_the_finite_ones():

@@ -18,8 +18,9 @@ from common.exact import (PINNED_VLLM, SUPPORTED, ExactForward, ExactPlan, Pack,
                           remove_rmsnorm_patch, rope_cache, verify_engine)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QWEN2 = {"model_type": "qwen2", "hidden_act": "silu", "hidden_size": 1536, "num_attention_heads": 12,
-         "num_key_value_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+QWEN2 = {"model_type": "qwen2", "vocab_size": 151936, "hidden_act": "silu", "hidden_size": 1536,
+         "num_attention_heads": 12, "num_key_value_heads": 2,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
          "use_sliding_window": False}
 OK = dict(train_precision="bf16", rollout_precision="bf16", sampler="vllm", vllm_tp=1, top_p=1.0,
           vllm_version=PINNED_VLLM, capability=(9, 0))
@@ -30,7 +31,16 @@ def test_supported_configurations_get_their_attention_backend():
     small = {**QWEN2, "hidden_size": 896, "num_attention_heads": 14, "head_dim": 64}
     assert check_exact(small, **{**OK, "train_precision": "fp16", "rollout_precision": "fp16"}).attention == \
         "TRITON_ATTN"
-    assert check_exact(QWEN2, **OK, graphs=True).graphs
+    assert check_exact(QWEN2, **OK).engine == "graphs" and check_exact(QWEN2, **OK, engine="eager").engine == "eager"
+    # Llama (SmolLM2-135M-Instruct's shape: head_dim 64, no biases, tied head) and Qwen3 (q/k norms; head_dim from the
+    # config, not hidden / heads)
+    llama = {"model_type": "llama", "vocab_size": 49152, "hidden_act": "silu", "hidden_size": 576,
+             "num_attention_heads": 9, "num_key_value_heads": 3, "rope_scaling": None, "attention_bias": False,
+             "mlp_bias": False}
+    assert check_exact(llama, **OK) == ExactPlan(head_dim=64, attention="TRITON_ATTN")
+    qwen3 = {"model_type": "qwen3", "hidden_act": "silu", "hidden_size": 1024, "num_attention_heads": 16,
+             "num_key_value_heads": 8, "head_dim": 128, "rope_parameters": {"rope_type": "default"}}
+    assert check_exact(qwen3, **OK) == ExactPlan(head_dim=128, attention="FLASH_ATTN")
 
 
 @pytest.mark.parametrize("change, config_change, says", [
@@ -44,12 +54,16 @@ def test_supported_configurations_get_their_attention_backend():
     ({"train_precision": "fp16"}, {}, "train precision fp16 and rollout precision bf16"),
     ({"train_precision": "fp32", "rollout_precision": "fp32"}, {}, "in fp32"),
     ({"top_p": 0.95}, {}, "top-p 0.95"),
-    ({}, {"model_type": "llama"}, "'llama'"),
+    ({}, {"model_type": "mistral"}, "'mistral'"),
+    ({}, {"model_type": "llama", "rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "RoPE 'llama3'"),
+    ({}, {"model_type": "llama", "mlp_bias": True}, "the MLP has biases"),
+    ({}, {"qk_norm": True}, "q/k norms"),
     ({}, {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({}, {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE 'yarn'"),
     ({}, {"use_sliding_window": True}, "sliding window"),
     ({}, {"head_dim": 96}, "head_dim 96 differs"),
     ({}, {"hidden_size": 1280, "num_attention_heads": 16}, "head_dim 80"),
+    ({}, {"vocab_size": 42}, "vocabulary size 42 is not a multiple of 64"),
 ])
 def test_unsupported_is_refused_in_one_line_saying_what_is_supported(change, config_change, says):
     with pytest.raises(ValueError) as e:
@@ -193,46 +207,93 @@ def test_batch_invariant_mode_must_come_before_vllm_is_imported(monkeypatch):
 
 
 def test_engine_arguments_and_the_engine_check():
-    plan = ExactPlan(head_dim=128, attention="FLASH_ATTN")
+    plan = ExactPlan(head_dim=128, attention="FLASH_ATTN")  # the default: CUDA graphs without torch.compile
     assert engine_kwargs(plan) == {"attention_config": {"backend": "FLASH_ATTN", "flash_attn_version": 3},
-                                   "enforce_eager": True}
-    graphs = engine_kwargs(ExactPlan(head_dim=64, attention="TRITON_ATTN", graphs=True))
-    assert graphs == {"attention_config": {"backend": "TRITON_ATTN"}, "enforce_eager": False,
-                      "compilation_config": {"custom_ops": ["all"]}}
+                                   "enforce_eager": False, "compilation_config": {
+                                       "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["all"]}}
+    assert engine_kwargs(ExactPlan(head_dim=64, attention="TRITON_ATTN", engine="eager")) == {
+        "attention_config": {"backend": "TRITON_ATTN"}, "enforce_eager": True}
+    assert engine_kwargs(ExactPlan(head_dim=64, attention="TRITON_ATTN", engine="compiled")) == {
+        "attention_config": {"backend": "TRITON_ATTN"}, "enforce_eager": False,
+        "compilation_config": {"custom_ops": ["all"]}}
+    ops = {"RMSNorm": "forward_cuda", "SiluAndMul": "forward_cuda", "RotaryEmbedding": "forward_cuda"}
     facts = {"batch_invariant": True, "runner": "v2", "attention_impl": "FlashAttentionImpl", "fa_version": 3,
-             "op_forwards": {"RMSNorm": "forward_cuda", "SiluAndMul": "forward_cuda"}, "enforce_eager": True,
-             "rope_cache": torch.zeros(1)}
+             "op_forwards": ops, "enforce_eager": False, "compilation_mode": "NONE",
+             "cudagraph_mode": "FULL_DECODE_ONLY", "rope_cache": torch.zeros(1)}
     verify_engine(plan, facts)
+    verify_engine(ExactPlan(head_dim=128, attention="FLASH_ATTN", engine="eager"),
+                  {**facts, "compilation_mode": "NONE", "cudagraph_mode": "NONE", "enforce_eager": True})
     for bad, says in [({"runner": "v1"}, "model runner v1"), ({"fa_version": 2}, "FlashAttention 2"),
                       ({"batch_invariant": False}, "batch-invariant mode is off"),
-                      ({"op_forwards": {"RMSNorm": "forward_native"}}, "not on their vLLM kernels: RMSNorm"),
+                      ({"op_forwards": {**ops, "RMSNorm": "forward_native"}}, "not on their vLLM kernels: RMSNorm"),
+                      ({"op_forwards": {"RMSNorm": "forward_cuda", "SiluAndMul": "forward_cuda"}},
+                       "has no RotaryEmbedding"),  # another rotary class (Llama 3's) the trainer does not mirror
                       ({"attention_impl": "TritonAttentionImpl"}, "attention TritonAttentionImpl"),
+                      ({"compilation_mode": "VLLM_COMPILE"}, "compilation mode VLLM_COMPILE"),
+                      ({"cudagraph_mode": "FULL_AND_PIECEWISE"}, "CUDA graphs FULL_AND_PIECEWISE"),
                       ({"window": (4095, 0)}, "attention window")]:
         with pytest.raises(RuntimeError, match=says):
             verify_engine(plan, {**facts, **bad})
     facts.update(block_size=16)
-    assert "NOT bitwise" not in describe(plan, facts)  # the start-up line says what the GPU probe measured
-    assert "NOT bitwise" in describe(ExactPlan(head_dim=128, attention="FLASH_ATTN", graphs=True), facts)
+    assert "NOT bitwise" not in describe(plan, facts) and "CUDA graphs" in describe(plan, facts)
+    assert "NOT bitwise" in describe(ExactPlan(head_dim=128, attention="FLASH_ATTN", engine="compiled"), facts)
+
+
+def test_recompute_runs_every_step_by_default_and_only_now_and_then_with_exact():
+    from common.exact import recompute_due
+    flags = types.SimpleNamespace(exact=False, exact_check_every=10)
+    assert all(recompute_due(flags, step, 1) for step in range(1, 30))
+    flags.exact = True
+    assert [s for s in range(1, 31) if recompute_due(flags, s, 1)] == [1, 10, 20, 30]
+    assert [s for s in range(7, 21) if recompute_due(flags, s, 7)] == [7, 10, 20]  # a resume's first step too
+    flags.exact_check_every = 1
+    assert all(recompute_due(flags, step, 1) for step in range(1, 30))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The exact forward, wired through PolicyModel, with the reference kernels
 
-@pytest.mark.parametrize("gradient_checkpointing, fused", [(False, True), (True, False)])
-def test_exact_forward_equals_the_default_forward_up_to_rounding(tiny_model_dir, process_group,
+def tiny_family_dir(path: str, family: str) -> str:
+    """A tiny random Llama (no biases, tied head) or Qwen3 (q/k norms) with the tests' character tokenizer, as
+    conftest.make_tiny_model_dir makes Qwen2's."""
+    from conftest import make_char_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    config, model_class = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    tokenizer = make_char_tokenizer()
+    cfg = config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=128,
+                 tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    torch.manual_seed(0)
+    model = model_class(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+            elif "norm" in name:  # norm weights away from 1, so that a q/k norm left out shows
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("family, gradient_checkpointing, fused", [("qwen2", False, True), ("qwen2", True, False),
+                                                                   ("llama", False, True), ("qwen3", True, True)])
+def test_exact_forward_equals_the_default_forward_up_to_rounding(tiny_model_dir, process_group, tmp_path, family,
                                                                 gradient_checkpointing, fused):
     """A PolicyModel (FSDP2, fp32) in exact mode, the torch reference kernels standing in for vLLM's: log-probs,
     entropy and gradients agree with the default forward within fp32 rounding (conftest.fp32_rounding_bound), with
     a temperature (the temperature op) and chunks smaller than the batch; model.exact = None goes back to the default
     forward bit for bit. This runs the packing, the layer dispatch under FSDP2 and gradient checkpointing, the
-    chunked head and every Function's backward."""
+    chunked head and every Function's backward; on Qwen2
+    (biases on q/k/v), Llama (no biases) and Qwen3 (q/k norms)."""
     from conftest import assert_close_to_rounding, fp32_rounding_bound
     from common.fsdp import load_policy
     _, _, device = process_group
+    model_dir = tiny_model_dir if family == "qwen2" else tiny_family_dir(str(tmp_path / family), family)
     prompts, responses, batch = _rows()
     runs = {}
     for mode in ("default", "exact", "back"):
-        model = load_policy(tiny_model_dir, torch.float32, device, gradient_checkpointing=gradient_checkpointing)
+        model = load_policy(model_dir, torch.float32, device, gradient_checkpointing=gradient_checkpointing)
         cfg = model.lm.config
         ex = ExactForward(TorchKernels(), rope_cache(cfg.head_dim, cfg.max_position_embeddings,
                                                      cfg.rope_parameters["rope_theta"], torch.float32),

@@ -146,22 +146,32 @@ def test_training_goes_on_through_reward_failures(tmp_path):
     assert [r["step"] for r in rows] == [1, 2] and all(8 <= r["train/reward_failures"] <= 16 for r in rows)
 
 
+def kl(value: float, **more) -> dict:
+    return {"mismatch/kl_k3": value, **more}
+
+
 def test_mismatch_monitor():
     m = MismatchMonitor(factor=10, window=2, floor=1e-6)
-    assert m.update(1e-5) == ({}, None) and m.update(3e-5) == ({}, None)  # baseline 2e-5
-    metrics, msg = m.update(3e-5)
+    assert m.update(kl(1e-5)) == ({}, None) and m.update(kl(3e-5)) == ({}, None)  # baseline 2e-5
+    metrics, msg = m.update(kl(3e-5))
     assert metrics == {"mismatch/kl_growth": pytest.approx(1.5), "mismatch/collapse_warning": 0.0} and msg is None
-    metrics, msg = m.update(1e-3)  # the last 2 average 5.15e-4: 25.75x
+    metrics, msg = m.update(kl(1e-3))  # the last 2 average 5.15e-4: 25.75x
     assert metrics["mismatch/collapse_warning"] == 1.0 and "grew 25.8x" in msg
-    assert m.update(1e-3)[1] is None  # said once
+    assert m.update(kl(1e-3))[1] is None  # said once
     restored = MismatchMonitor(factor=10, window=2)
     restored.load_state_dict(json.loads(json.dumps(m.state_dict())))
-    assert restored.update(1e-6) == m.update(1e-6)
+    assert restored.update(kl(1e-6)) == m.update(kl(1e-6))
     # an exact baseline (fp32 on CPU: ~1e-13) is floored, so noise does not warn
     m = MismatchMonitor(factor=10, window=1, floor=1e-6)
-    m.update(1e-13)
-    assert m.update(5e-6)[0]["mismatch/collapse_warning"] == 0.0
-    assert MismatchMonitor(factor=0, window=2).update(1.0) == ({}, None)
+    m.update(kl(1e-13))
+    assert m.update(kl(5e-6))[0]["mismatch/collapse_warning"] == 0.0
+    assert MismatchMonitor(factor=0, window=2).update(kl(1.0)) == ({}, None)
+    # exact mode: any unequal token is said at that step, with the count, whatever the growth
+    m = MismatchMonitor(factor=10, window=2, exact=True)
+    assert m.update(kl(0.0, **{"mismatch/unequal_tokens": 0.0})) == ({}, None)
+    msg = m.update(kl(1e-12, **{"mismatch/unequal_tokens": 3.0, "mismatch/logp_abs_diff_max": 2e-7}))[1]
+    assert msg.startswith("[exact] 3 response tokens") and "2e-07" in msg
+    assert MismatchMonitor(factor=10, window=2).update(kl(1e-12, **{"mismatch/unequal_tokens": 3.0}))[1] is None
 
 
 def test_a_jump_in_the_mismatch_warns_in_the_log_and_metrics(tmp_path):
