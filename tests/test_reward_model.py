@@ -19,7 +19,7 @@ from common.reward_model import (RewardModel, RewardModelFlags, RunningMeanStd, 
 from common.metrics import StepStats
 from common.rewards import Reward, exact_match_reward
 from tasks.reward_model import bradley_terry_loss, read_pairs, split_by_prompt, train_reward_model
-from conftest import fp32_rounding_bound
+from conftest import SCRIPTS, fp32_rounding_bound
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -358,7 +358,7 @@ def assert_one_line_error(p, message):
     assert "Traceback" not in p.stderr
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "pg_is.py", "gspo.py", "ppo.py", "cispo.py"])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_refuses_a_causal_lm_as_reward_model_before_a_model_loads(script, tiny_model_dir, tmp_path):
     p = subprocess.run([sys.executable, script, "--run-dir", str(tmp_path / "run"), "--reward-model",
                         tiny_model_dir], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
