@@ -344,6 +344,46 @@ def test_bad_reward_model_directories(tiny_model_dir, small_rm, tmp_path):
         check_reward_model(flags(path, rm_clip=-1.0), "{problem}")
 
 
+def rm_copy(src, dst, config=None, weights_as_pickle=False):
+    """A copy of the reward model src, with its config.json replaced by `config` (any JSON) and, with
+    weights_as_pickle, its weights as a torch.save pickle (pytorch_model.bin) instead of safetensors."""
+    shutil.copytree(src, dst)
+    if config is not None:
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(config, f)
+    if weights_as_pickle:
+        torch.save(load_file(os.path.join(dst, "model.safetensors")), os.path.join(dst, "pytorch_model.bin"))
+        os.remove(os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda cfg: dict(config=[cfg]), "config.json holds a JSON list, not an object"),
+    (lambda cfg: dict(config={**cfg, "num_labels": [1]}), "num_labels is [1], not a whole number"),
+    (lambda cfg: dict(config={**cfg, "id2label": ["score"]}), 'id2label is ["score"], not an object'),
+    (lambda cfg: dict(config={**cfg, "architectures": "Qwen2ForSequenceClassification"}), "not a list of class names"),
+    (lambda cfg: dict(weights_as_pickle=True), "pytorch_model.bin: pickled weights, not loaded"),
+], ids=["config-list", "num_labels-list", "id2label-list", "architectures-string", "pickle-only"])
+def test_reward_model_directories_of_the_wrong_shape(small_rm, tmp_path, change, says):
+    """Valid JSON of the wrong shape, and weights that are a pickle: one line (a ValueError or FileNotFoundError,
+    exit code 2 in a script), before anything loads."""
+    path, _ = small_rm
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    with pytest.raises((ValueError, FileNotFoundError)) as e:
+        check_reward_model(flags(rm_copy(path, str(tmp_path / "rm"), **change(cfg))), "{problem}")
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_script_refuses_a_reward_model_whose_config_is_a_list(small_rm, tmp_path):
+    path, _ = small_rm
+    with open(os.path.join(path, "config.json")) as f:
+        bad = rm_copy(path, str(tmp_path / "listed"), config=[json.load(f)])
+    p = subprocess.run([sys.executable, "grpo.py", "--run-dir", str(tmp_path / "run"), "--reward-model", bad],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert_one_line_error(p, "not an object")
+
+
 def test_bad_pairs_files(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "chosen": "2"}\n')
