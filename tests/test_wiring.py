@@ -1,14 +1,14 @@
 """The step's wiring, which the loss and correction tests do not see: each test fails when a line of the loop that
 connects two tested pieces is wrong (docs/tests.md lists which bug each one catches). Every algorithm script
-(conftest.SCRIPTS) runs the first four:
+(conftest.SCRIPTS) runs the first four and the collapse monitor's:
 - the loss receives the correction's weights, its normalizers (N_seq and L_max, or N_tok) and train/loss is its mean
   over the mini-batches (tests/wiring.py record);
 - the training forward runs at --temperature: with one mini-batch, the first update's ratio is 1;
 - 1 rank and 2 ranks on the same global batch give the same gradient norm and loss (tests/wiring.py fixed);
 - --old-logp mu (pg_is.py: --mismatch-from first-minibatch) measures the mismatch on the first mini-batch's forward,
   which with one mini-batch is pi_old's;
-- the step's minimum and maximum over ranks; the mismatch metrics on hand-computed log-ratios; the collapse monitor's
-  state survives a resume; the offline analysis' relative error."""
+- a minimum keeps its sign through StepStats' reduction; the mismatch metrics on hand-computed log-ratios; the
+  collapse monitor's state survives a resume; the offline analysis' relative error."""
 import dataclasses
 import importlib
 import json
@@ -187,17 +187,17 @@ def test_a_minimum_keeps_its_sign():
     assert (m["test/min"], m["test/max"]) == (-3.0, -1.5)
 
 
-def test_the_collapse_monitor_survives_a_resume(tmp_path):
-    """--kl-baseline-steps 1: kl_growth is logged from step 2 on; a run resumed at step 2 logs at step 3 what the
-    uninterrupted run logs (the monitor's baseline and window come back from the checkpoint)."""
-    flags = [*SMALL, "--num-steps", "3", "--kl-baseline-steps", "1", "--save-every", "1"]
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_collapse_monitor_survives_a_resume(tmp_path, script):
+    """--kl-baseline-steps 1: kl_growth is logged from step 2 on; a run resumed from step 2's checkpoint logs at step
+    3 what the uninterrupted run logs (the monitor's baseline and window come back from the checkpoint)."""
+    flags = [*SMALL, "--num-steps", "3", "--kl-baseline-steps", "1", "--save-every", "1", "--keep-last", "0"]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    run([sys.executable, "grpo.py", "--run-dir", a, *flags])
-    run([sys.executable, "grpo.py", "--run-dir", b, *flags, "--num-steps", "2"])
-    run([sys.executable, "grpo.py", "--run-dir", b, *flags, "--resume", "latest"])
+    run([sys.executable, script, "--run-dir", a, *flags])
+    run([sys.executable, script, "--run-dir", b, *flags, "--resume", os.path.join(a, "checkpoints", "step_000002")])
     ra, rb = steps(a), steps(b)
-    assert "mismatch/kl_growth" in ra[2] and rb[2]["step"] == 3
-    assert rb[2]["mismatch/kl_growth"] == ra[2]["mismatch/kl_growth"]
+    assert "mismatch/kl_growth" in ra[2] and [r["step"] for r in rb] == [3]
+    assert rb[0]["mismatch/kl_growth"] == ra[2]["mismatch/kl_growth"]
 
 
 def test_offline_analysis_relative_error_is_over_the_mean():
