@@ -79,19 +79,20 @@ def check_reward_model(flags: RewardModelFlags, prompt_template: str) -> str | N
     where = f"--reward-model {path!r}"
     path = os.path.expanduser(path)  # (a quoted ~ reaches here as it is: config.json then names no home directory)
     check_model_dir(path, "--reward-model")  # the directory, config.json, tokenizer, JSON files, weights complete
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    archs = config.get("architectures") or []
-    if not any(a.endswith("ForSequenceClassification") for a in archs):
-        raise ValueError(f"{where}: no scalar head: its config.json names {', '.join(archs) or 'no architecture'}, "
-                         "not a ...ForSequenceClassification (train one from preference pairs: python -m "
-                         "tasks.reward_model)")
-    labels = num_labels(config)
+    config = read_config(path, where)
+    if not is_classifier(config):
+        raise ValueError(f"{where}: no scalar head: its config.json names "
+                         f"{', '.join(config.get('architectures') or []) or 'no architecture'}, not a "
+                         "...ForSequenceClassification (train one from preference pairs: python -m tasks.reward_model)")
+    labels = num_labels(config, where)
     if labels != 1:
         raise ValueError(f"{where}: its head has {labels} labels; a reward model has one (a scalar score)")
-    if not any(n.endswith(".safetensors") for n in os.listdir(path)) and \
-            not os.path.isfile(os.path.join(path, "pytorch_model.bin")):
-        raise FileNotFoundError(f"{where}: no weights there (*.safetensors)")
+    names = os.listdir(path)
+    if not any(n.endswith(".safetensors") for n in names):
+        pickles = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt")))
+        raise FileNotFoundError(f"{where}: no weights there (*.safetensors)" + (
+            f"; {', '.join(pickles)}: pickled weights, not loaded (loading a pickle can run code): save them as "
+            "safetensors (save_pretrained does by default)" if pickles else ""))
     fmt = "chat" if is_chat(prompt_template) else "raw"
     trained = read_info(path).get("format")
     if trained is not None and trained != fmt:
@@ -105,11 +106,36 @@ def check_reward_model(flags: RewardModelFlags, prompt_template: str) -> str | N
     return fmt
 
 
-def num_labels(config: dict) -> int:
-    """The label count of a config.json, as transformers reads it: id2label's size, else num_labels, else 2."""
-    if isinstance(config.get("id2label"), dict):
-        return len(config["id2label"])
-    return int(config.get("num_labels", 2))
+def read_config(path: str, where: str) -> dict:
+    """The config.json of the model directory `path` (check_model_dir has parsed it) as transformers needs it: an
+    object whose architectures, when given, is a list of class names; else a one-line ValueError naming `where`."""
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: its config.json holds a JSON {type(config).__name__}, not an object (a model's "
+                         "config)")
+    archs = config.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ValueError(f"{where}: its config.json's architectures is {json.dumps(archs)[:80]}, not a list of "
+                         "class names")
+    return config
+
+
+def is_classifier(config: dict) -> bool:
+    """Whether a config.json (read_config) names a ...ForSequenceClassification: a model with a scalar head."""
+    return any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+
+
+def num_labels(config: dict, where: str) -> int:
+    """The label count of a config.json (read_config), as transformers reads it: id2label's size, else num_labels,
+    else 2; a one-line ValueError naming `where` when either is given but is not an object or a whole number."""
+    id2label, n = config.get("id2label"), config.get("num_labels")
+    if id2label is not None and not isinstance(id2label, dict):
+        raise ValueError(f"{where}: its config.json's id2label is {json.dumps(id2label)[:80]}, not an object of labels")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"{where}: its config.json's num_labels is {json.dumps(n)[:80]}, not a whole number of "
+                         "labels")
+    return len(id2label) if id2label is not None else 2 if n is None else n
 
 
 def read_info(path: str) -> dict:
@@ -192,7 +218,8 @@ class RewardModel:
         path = os.path.expanduser(path)
         self.path, self.fmt, self.precision, self.device, self.batch_tokens = path, fmt, precision, device, batch_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=DTYPES[precision]).to(device)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=DTYPES[precision],
+                                                                        use_safetensors=True).to(device)  # no pickle
         self.model.eval()
         score_head(self.model)
         self.pad_id = pad_id_of(self.tokenizer)

@@ -119,8 +119,13 @@ def read_pairs(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"pairs file {path!r}: no such file")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: line {lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                 f"{e.start + 1})") from None
             if not line.strip():
                 continue
             try:
@@ -153,22 +158,26 @@ def bradley_terry_loss(r_chosen_B: torch.Tensor, r_rejected_B: torch.Tensor) -> 
     return -F.logsigmoid(r_chosen_B - r_rejected_B)
 
 
-def encode_pairs(tokenizer, pairs: list[dict], fmt: str, max_len: int) -> tuple[list[tuple], int]:
-    """(chosen ids, rejected ids, where the chosen response starts) of each pair that fits max_len, and how many did
-    not. The start: the length of what the chosen input shares with the input of an empty response (the prompt and
-    what the format puts before the response)."""
+def encode_pairs(tokenizer, pairs: list[dict], fmt: str, max_len: int) -> tuple[list[tuple], int, int]:
+    """(chosen ids, rejected ids, where the chosen response starts) of each pair that fits max_len and whose two inputs
+    differ, how many did not fit, and how many were the same input twice (chosen == rejected: no preference to learn,
+    and a tie that counts as wrong). The start: the length of what the chosen input shares with the input of an empty
+    response (the prompt and what the format puts before the response)."""
     from common.reward_model import rm_input_ids
-    out, skipped = [], 0
+    out, skipped, same = [], 0, 0
     for p in pairs:
         c = rm_input_ids(tokenizer, p["prompt"], p["chosen"], fmt)
         r = rm_input_ids(tokenizer, p["prompt"], p["rejected"], fmt)
+        if c == r:
+            same += 1
+            continue
         if max(len(c), len(r)) > max_len:
             skipped += 1
             continue
         empty = rm_input_ids(tokenizer, p["prompt"], "", fmt)
         start = next((i for i, (a, b) in enumerate(zip(c, empty)) if a != b), min(len(c), len(empty)))
         out.append((c, r, max(start, 1)))
-    return out, skipped
+    return out, skipped, same
 
 
 def pair_scores(model, encoded: list[tuple], idx: list[int], pad_id: int, device, autocast_dtype,
@@ -201,6 +210,23 @@ def pair_groups(encoded, idx: list[int], token_budget: int) -> list[list[int]]:
     from common.logprobs import split_microbatches
     lengths = [max(len(encoded[i][0]), len(encoded[i][1])) for i in idx]
     return [[idx[j] for j in g] for g in split_microbatches(lengths, max(token_budget // 2, 1))]
+
+
+def accumulate_gradients(model, encoded, batch: list[int], token_budget: int, pad_id: int, device, autocast_dtype,
+                         out_weight_VH: torch.Tensor | None = None, lm_coef: float = 0.0) -> tuple[float, float]:
+    """The gradient of one optimizer step's loss, accumulated into the model's .grad micro-batch by micro-batch: the
+    mean Bradley-Terry loss of the pairs `batch`, plus lm_coef times the mean next-token loss of their chosen
+    responses' tokens. Each micro-batch's sums are divided by the batch's counts, not averaged on their own, so the
+    gradient is the same whatever token_budget cuts. Returns (the pairs' summed loss, how many were ranked right)."""
+    n_tok = max(response_tokens(encoded, batch), 1)
+    loss_sum, right = 0.0, 0.0
+    for group in pair_groups(encoded, batch, token_budget):
+        rc, rr, lm_sum = pair_scores(model, encoded, group, pad_id, device, autocast_dtype, out_weight_VH)
+        loss_B = bradley_terry_loss(rc, rr)
+        (loss_B.sum() / len(batch) + lm_coef * lm_sum / n_tok).backward()
+        loss_sum += float(loss_B.detach().sum())
+        right += float((rc > rr).sum())
+    return loss_sum, right
 
 
 @torch.no_grad()
@@ -249,10 +275,14 @@ def train_reward_model(base: str, train_pairs: list[dict], eval_pairs: list[dict
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     limit = max_len or getattr(model.config, "max_position_embeddings", None) or 10 ** 9
-    train_enc, skipped = encode_pairs(tokenizer, train_pairs, fmt, limit)
-    eval_enc, eval_skipped = encode_pairs(tokenizer, eval_pairs, fmt, limit)
+    train_enc, skipped, same = encode_pairs(tokenizer, train_pairs, fmt, limit)
+    eval_enc, eval_skipped, eval_same = encode_pairs(tokenizer, eval_pairs, fmt, limit)
+    if same or eval_same:
+        log(f"[rm] dropped {same} training and {eval_same} held-out pairs whose chosen and rejected responses are the "
+            "same input (no preference to learn from, and a tie counts as wrong)")
     if not train_enc:
-        raise ValueError(f"no training pair fits {limit} tokens ({skipped} skipped)")
+        raise ValueError(f"no training pair left: {skipped} longer than {limit} tokens, {same} with chosen == "
+                         "rejected")
     if skipped or eval_skipped:
         log(f"[rm] skipped {skipped} training and {eval_skipped} held-out pairs longer than {limit} tokens")
     autocast_dtype = torch.bfloat16 if precision == "bf16" else None
@@ -284,15 +314,9 @@ def train_reward_model(base: str, train_pairs: list[dict], eval_pairs: list[dict
         for b in range(0, len(order), batch_size):
             batch = order[b:b + batch_size]
             optimizer.zero_grad(set_to_none=True)
-            right, n_tok = 0.0, max(response_tokens(train_enc, batch), 1)
-            for group in pair_groups(train_enc, batch, micro_batch_tokens):
-                rc, rr, lm_sum = pair_scores(model, train_enc, group, pad_id, device, autocast_dtype, out_weight)
-                loss_B = bradley_terry_loss(rc, rr)
-                # the batch's means, whatever the micro-batches
-                (loss_B.sum() / len(batch) + lm_coef * lm_sum / n_tok).backward()
-                run_loss += float(loss_B.detach().sum())
-                right += float((rc > rr).sum())
-            run_right, run_n = run_right + right, run_n + len(batch)
+            loss_sum, right = accumulate_gradients(model, train_enc, batch, micro_batch_tokens, pad_id, device,
+                                                   autocast_dtype, out_weight, lm_coef)
+            run_loss, run_right, run_n = run_loss + loss_sum, run_right + right, run_n + len(batch)
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             optimizer.step()
             step += 1
@@ -311,6 +335,7 @@ def train_reward_model(base: str, train_pairs: list[dict], eval_pairs: list[dict
     final = (evaluate_pairs(model, eval_enc, pad_id, device, autocast_dtype, micro_batch_tokens) if eval_enc
              else {"accuracy": math.nan, "loss": math.nan, "pairs": 0})
     info = {"format": fmt, "base": base, "train_pairs": len(train_enc), "eval_pairs": final["pairs"],
+            "identical_pairs_dropped": same + eval_same,
             "eval_accuracy": final["accuracy"], "eval_loss": final["loss"], "eval_accuracy_before": start["accuracy"],
             "epochs": epochs, "steps": step, "train_accuracy_last": sum(recent) / max(len(recent), 1),
             "lm_coef": lm_coef,
@@ -444,7 +469,13 @@ def main(args: Args) -> dict:
     if args.base is None or args.pairs is None:
         raise ValueError("give --base and --pairs (or --builtin for the built-in task's reward model)")
     from common.preflight import check_model_dir
-    check_model_dir(args.base)
+    from common.reward_model import is_classifier, num_labels, read_config
+    check_model_dir(args.base, "--base")
+    where = f"--base {args.base!r}"
+    config = read_config(args.base, where)
+    if is_classifier(config) and num_labels(config, where) != 1:
+        raise ValueError(f"{where}: its head has {num_labels(config, where)} labels; a reward model has one: start "
+                         "from the causal LM it was made from, or from a one-label reward model")
     for name in ("epochs", "batch_size", "micro_batch_tokens", "log_every"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")

@@ -19,10 +19,10 @@ from common.cli import Infra
 from common.preflight import check_model_dir
 from common.rewards import evaluate
 from common.rewards import score_rollout
+from conftest import SCRIPTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-SCRIPTS = ["grpo.py", "pg_is.py", "gspo.py", "ppo.py", "cispo.py"]
 GROUP_BASELINE = ["grpo.py", "pg_is.py", "gspo.py", "cispo.py"]  # their advantage is the reward minus the group's mean
 SMALL = ["--num-prompts", "8", "--group-size", "4", "--num-minibatches", "2", "--eval-every", "0", "--save-every",
          "0"]

@@ -125,6 +125,22 @@ def test_pack_targets_match_the_default_response_hidden(tiny_model_dir):
     assert Pack(ids, attn, rmask).targets_N.tolist() == targets.tolist()
 
 
+def test_pack_leaves_out_a_response_token_at_position_0(tiny_model_dir):
+    """A row with no prompt: its first response token has no position before it to be predicted from, and no other
+    row's token may stand in for it (without the guard the first row's predictor was -1, the last packed token, and a
+    later row's the end of the row before). The targets are response_hidden's, each predicted within its own row."""
+    from transformers import AutoModelForCausalLM
+    from common.logprobs import collate, response_hidden
+    prompts, responses = [[], [7, 8], []], [[20, 21, 22], [25], [26, 27]]
+    ids, attn, rmask = collate(prompts, responses, 0, "cpu")
+    pack = Pack(ids, attn, rmask)
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    _, targets = response_hidden(lm, ids, attn, rmask)
+    assert pack.targets_N.tolist() == targets.tolist() == [21, 22, 25, 27]
+    assert (pack.pred_N >= 0).all() and (pack.ids_N[pack.pred_N + 1] == pack.targets_N).all()
+    assert (pack.row_N[pack.pred_N] == pack.row_N[pack.pred_N + 1]).all()
+
+
 def test_padded_sdpa_is_causal_attention_of_each_row_alone():
     _, _, (ids, attn, rmask) = _rows()
     pack = Pack(ids, attn, rmask)

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from conftest import SCRIPTS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-steps", "1", "--num-prompts", "4", "--group-size", "2", "--eval-every", "0", "--eval-k", "1",
         "--eval-max-problems", "1", "--save-every", "0"]
@@ -29,7 +31,7 @@ def threads_left(tmp_path, script, extra=()):
     return [json.load(open(out / f"rank{r}.json"))["gloo_threads"] for r in range(2)]
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "pg_is.py", "gspo.py", "ppo.py", "cispo.py"])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_no_gloo_thread_left_at_exit(tmp_path, script):
     assert threads_left(tmp_path, script) == [[], []]  # before the fix: gloo_tcp_loop and 2 pt_gloo_runloop
 

@@ -18,8 +18,9 @@ from common.reward_model import (RewardModel, RewardModelFlags, RunningMeanStd, 
                                  sequence_scores)
 from common.metrics import StepStats
 from common.rewards import Reward, exact_match_reward
-from tasks.reward_model import bradley_terry_loss, read_pairs, split_by_prompt, train_reward_model
-from conftest import fp32_rounding_bound
+from tasks.reward_model import (accumulate_gradients, bradley_terry_loss, encode_pairs, read_pairs, split_by_prompt,
+                                 train_reward_model)
+from conftest import SCRIPTS, assert_close_to_rounding, fp32_rounding_bound
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -97,6 +98,31 @@ def test_bradley_terry_loss_values_and_gradient():
     assert loss[2].item() == pytest.approx(1000.0) and loss[3].item() == pytest.approx(0.0, abs=1e-30)
     loss.sum().backward()
     torch.testing.assert_close(rc.grad, -torch.sigmoid(-d))
+
+
+def test_the_gradient_does_not_depend_on_the_micro_batches(tiny_model_dir):
+    """One optimizer step's gradient (Bradley-Terry and next-token loss) is the batch's: the pairs in one forward,
+    in uneven micro-batches (pairs of several lengths) or one a forward give it up to fp32 rounding. Averaged per
+    micro-batch instead, one pair a forward gave 6 times the gradient of one forward, and the uneven cut another
+    direction."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    pairs = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1) * k}
+             for a, b, k in ((1, 2, 1), (47, 38, 2), (5, 60, 3), (99, 99, 1), (3, 40, 4), (12, 7, 2))]
+    encoded, skipped, same = encode_pairs(tok, pairs, "raw", 64)
+    assert len(encoded) == 6 and skipped == same == 0
+    grads = []
+    for budget in (10 ** 6, 30, 1):  # all at once; unevenly; one pair a forward
+        torch.manual_seed(0)
+        model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1, dtype=torch.float32)
+        loss_sum, right = accumulate_gradients(model, encoded, list(range(6)), budget, 0, CPU, None,
+                                               model.get_input_embeddings().weight, lm_coef=1.0)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        assert loss_sum > 0 and 0 <= right <= 6
+    L = max(len(c) for c, r, _ in encoded for c in (c, r))
+    bound = fp32_rounding_bound(model.config, L, 2 * 6 * L, backward=True)
+    for g in grads[1:]:
+        assert_close_to_rounding(g, grads[0], bound)
 
 
 def test_split_by_prompt_keeps_a_prompts_pairs_together():
@@ -344,11 +370,82 @@ def test_bad_reward_model_directories(tiny_model_dir, small_rm, tmp_path):
         check_reward_model(flags(path, rm_clip=-1.0), "{problem}")
 
 
+def rm_copy(src, dst, config=None, weights_as_pickle=False):
+    """A copy of the reward model src, with its config.json replaced by `config` (any JSON) and, with
+    weights_as_pickle, its weights as a torch.save pickle (pytorch_model.bin) instead of safetensors."""
+    shutil.copytree(src, dst)
+    if config is not None:
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(config, f)
+    if weights_as_pickle:
+        torch.save(load_file(os.path.join(dst, "model.safetensors")), os.path.join(dst, "pytorch_model.bin"))
+        os.remove(os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda cfg: dict(config=[cfg]), "config.json holds a JSON list, not an object"),
+    (lambda cfg: dict(config={**cfg, "num_labels": [1]}), "num_labels is [1], not a whole number"),
+    (lambda cfg: dict(config={**cfg, "id2label": ["score"]}), 'id2label is ["score"], not an object'),
+    (lambda cfg: dict(config={**cfg, "architectures": "Qwen2ForSequenceClassification"}), "not a list of class names"),
+    (lambda cfg: dict(weights_as_pickle=True), "pytorch_model.bin: pickled weights, not loaded"),
+], ids=["config-list", "num_labels-list", "id2label-list", "architectures-string", "pickle-only"])
+def test_reward_model_directories_of_the_wrong_shape(small_rm, tmp_path, change, says):
+    """Valid JSON of the wrong shape, and weights that are a pickle: one line (a ValueError or FileNotFoundError,
+    exit code 2 in a script), before anything loads."""
+    path, _ = small_rm
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    with pytest.raises((ValueError, FileNotFoundError)) as e:
+        check_reward_model(flags(rm_copy(path, str(tmp_path / "rm"), **change(cfg))), "{problem}")
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_script_refuses_a_reward_model_whose_config_is_a_list(small_rm, tmp_path):
+    path, _ = small_rm
+    with open(os.path.join(path, "config.json")) as f:
+        bad = rm_copy(path, str(tmp_path / "listed"), config=[json.load(f)])
+    p = subprocess.run([sys.executable, "grpo.py", "--run-dir", str(tmp_path / "run"), "--reward-model", bad],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert_one_line_error(p, "not an object")
+
+
 def test_bad_pairs_files(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "chosen": "2"}\n')
     with pytest.raises(ValueError, match="'rejected' missing"):
         read_pairs(str(bad))
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n'.encode()
+                       + '{"prompt": "caf\u00e9", "chosen": "2", "rejected": "3"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.jsonl: line 2: not UTF-8 text \(byte 0xe9 at column 16\)"):
+        read_pairs(str(latin1))
+
+
+def test_pairs_with_chosen_equal_to_rejected_are_dropped_and_counted(tiny_model_dir, tmp_path, capfd):
+    """Such a pair teaches nothing and, held out, is a tie that counts as wrong: dropped, said at start and counted
+    in reward_model.json; with nothing else left, refused."""
+    same = [{"prompt": "1+1=", "chosen": "2", "rejected": "2"}] * 3
+    info = train_reward_model(tiny_model_dir, sum_pairs(8, 0) + same, sum_pairs(4, 1) + same[:1],
+                              str(tmp_path / "rm"), fmt="raw", batch_size=8, log_every=1000, device="cpu")
+    assert info["train_pairs"] == 8 and info["eval_pairs"] == 4 and info["identical_pairs_dropped"] == 4
+    assert "dropped 3 training and 1 held-out pairs whose chosen and rejected" in capfd.readouterr().err
+    with pytest.raises(ValueError, match="no training pair left: 0 longer than .*, 3 with chosen == rejected"):
+        train_reward_model(tiny_model_dir, same, [], str(tmp_path / "rm2"), fmt="raw", device="cpu")
+
+
+def test_the_trainer_refuses_a_base_with_a_two_label_head(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from tasks.reward_model import Args, main
+    base = str(tmp_path / "two_labels")
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2).save_pretrained(base)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(base)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(p) + "\n" for p in sum_pairs(4, 0)))
+    with pytest.raises(ValueError, match="its head has 2 labels; a reward model has one"):
+        main(Args(base=base, pairs=str(pairs), out_dir=str(tmp_path / "out")))
+    assert not os.path.exists(tmp_path / "out")
 
 
 def assert_one_line_error(p, message):
@@ -358,7 +455,7 @@ def assert_one_line_error(p, message):
     assert "Traceback" not in p.stderr
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "pg_is.py", "gspo.py", "ppo.py", "cispo.py"])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_refuses_a_causal_lm_as_reward_model_before_a_model_loads(script, tiny_model_dir, tmp_path):
     p = subprocess.run([sys.executable, script, "--run-dir", str(tmp_path / "run"), "--reward-model",
                         tiny_model_dir], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)

@@ -1,12 +1,16 @@
 """The step's wiring, which the loss and correction tests do not see: each test fails when a line of the loop that
-connects two tested pieces is wrong (docs/tests.md lists which bug each one catches).
-- the loss receives the correction's weights, the normalizers N_seq and L_max, and train/loss is its mean over the
-  mini-batches (tests/wiring.py record);
+connects two tested pieces is wrong (docs/tests.md lists which bug each one catches). Every algorithm script
+(conftest.SCRIPTS) runs the first four and the collapse monitor's:
+- the loss receives the correction's weights, its normalizers (N_seq and L_max, or N_tok) and train/loss is its mean
+  over the mini-batches (tests/wiring.py record);
 - the training forward runs at --temperature: with one mini-batch, the first update's ratio is 1;
 - 1 rank and 2 ranks on the same global batch give the same gradient norm and loss (tests/wiring.py fixed);
-- --old-logp mu measures the mismatch on the first mini-batch's forward, which with one mini-batch is pi_old's;
-- the mismatch metrics on hand-computed log-ratios; the collapse monitor's state survives a resume; the offline
-  analysis' relative error."""
+- --old-logp mu (pg_is.py: --mismatch-from first-minibatch) measures the mismatch on the first mini-batch's forward,
+  which with one mini-batch is pi_old's;
+- a minimum keeps its sign through StepStats' reduction; the mismatch metrics on hand-computed log-ratios; the
+  collapse monitor's state survives a resume; the offline analysis' relative error."""
+import dataclasses
+import importlib
 import json
 import math
 import os
@@ -17,11 +21,13 @@ import pytest
 import torch
 
 from common.metrics import StepStats, mismatch
+from conftest import SCRIPTS, algorithm_scripts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
 SMALL = ["--num-steps", "2", "--num-prompts", "8", "--group-size", "4", "--num-minibatches", "2", "--eval-every", "0",
          "--eval-max-problems", "8", "--save-every", "0", "--seed", "5"]
+ONE_MINIBATCH = [*SMALL, "--num-steps", "1", "--num-minibatches", "1"]
 
 
 def run(cmd, timeout=600):
@@ -34,65 +40,112 @@ def steps(run_dir):
         return [r for r in map(json.loads, f) if "train/accuracy" in r]
 
 
-def test_the_loss_receives_the_weights_and_normalizers_and_train_loss_is_its_mean(tmp_path):
+def fields(script: str) -> set:
+    """The names of the script's Args fields (importing a script has no side effects)."""
+    return {f.name for f in dataclasses.fields(importlib.import_module(script[:-len(".py")]).Args)}
+
+
+def test_the_scripts_list_is_read_from_the_tree(tmp_path):
+    """conftest.SCRIPTS: the top-level files that define main() and parse_args(), not the other modules."""
+    assert "grpo.py" in SCRIPTS and "corrections.py" not in SCRIPTS and len(SCRIPTS) >= 5
+    (tmp_path / "new_algo.py").write_text("def parse_args(argv=None):\n    pass\n\n\ndef main(args):\n    pass\n")
+    (tmp_path / "helper.py").write_text("def main():\n    pass\n")
+    assert algorithm_scripts(str(tmp_path)) == ["new_algo.py"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_loss_receives_the_weights_and_normalizers_and_train_loss_is_its_mean(tmp_path, script):
+    """The scripts with the rollout corrections: token-tis with mu perturbed, so that the weights are not 1."""
+    corrected = "corrections" in fields(script)
     out, run_dir = str(tmp_path / "calls.json"), str(tmp_path / "run")
-    run([sys.executable, "tests/wiring.py", "record", out, "--run-dir", run_dir, *SMALL,
-         "--is-correction", "token-tis", "--is-threshold", "1.5"])
+    run([sys.executable, "tests/wiring.py", "record", out, script, "--run-dir", run_dir, *SMALL,
+         *(["--is-correction", "token-tis", "--is-threshold", "1.5"] if corrected else [])])
     with open(out) as f:
         calls = json.load(f)
     rows = steps(run_dir)
     per_step = len(calls["loss"]) // len(rows)
+    assert per_step >= 2 and len(calls["weights"]) == (len(rows) if corrected else 0)
     for s, row in enumerate(rows):
         losses = calls["loss"][s * per_step:(s + 1) * per_step]
-        computed = calls["weights"][s]
-        # every response token once a step, with the weight the correction computed for it (not 1: mu is perturbed)
-        assert sum(c["tokens"] for c in losses) == computed["tokens"]
-        assert computed["weight_sum"] != pytest.approx(computed["tokens"], rel=1e-3)
-        assert sum(c["weight_sum"] for c in losses) == pytest.approx(computed["weight_sum"], rel=1e-6)
-        # N_seq: the mini-batch's sequences over all ranks (8 x 4 / 2 mini-batches); L_max: --max-response-len
-        assert all(c["num_seqs"] == 16 and c["max_response_len"] == 8 for c in losses)
+        if corrected:
+            computed = calls["weights"][s]
+            # every response token once a step, with the weight the correction computed for it (not 1: mu perturbed)
+            assert sum(c["tokens"] for c in losses) == computed["tokens"]
+            assert computed["weight_sum"] != pytest.approx(computed["tokens"], rel=1e-3)
+            assert sum(c["weight_sum"] for c in losses) == pytest.approx(computed["weight_sum"], rel=1e-6)
+        # N_seq: the mini-batch's sequences over all ranks (8 x 4 / 2 mini-batches); L_max: --max-response-len;
+        # N_tok: the mini-batch's response tokens over all ranks, so each mini-batch's calls' tokens add up to it
+        assert {"num_seqs", "num_tokens"} & set(losses[0]), losses[0]
+        assert all(c.get("num_seqs", 16) == 16 and c.get("max_response_len", 8) == 8 for c in losses)
+        if "num_tokens" in losses[0]:
+            assert sum(c["tokens"] / c["num_tokens"] for c in losses) == pytest.approx(2)  # 2 mini-batches
         assert row["train/loss"] == pytest.approx(sum(c["loss"] for c in losses) / 2, rel=1e-6, abs=1e-9)
 
 
-def test_the_training_forward_runs_at_the_sampling_temperature(tmp_path):
+@pytest.fixture(scope="module")
+def one_minibatch(tmp_path_factory):
+    """rows(script, mode): the step of a one-mini-batch run at --temperature 0.7 through tests/wiring.py record (mu
+    perturbed), pi_old recomputed (mode 'recompute') or from the first mini-batch's forward ('first'); each run once
+    for the tests that read it."""
+    done = {}
+
+    def rows(script, mode):
+        if (script, mode) not in done:
+            first = ["--old-logp", "mu"] if "old_logp" in fields(script) else ["--mismatch-from", "first-minibatch"]
+            d = tmp_path_factory.mktemp(f"{script[:-3]}_{mode}")
+            run([sys.executable, "tests/wiring.py", "record", str(d / "calls.json"), script, "--run-dir",
+                 str(d / "run"), *ONE_MINIBATCH, "--temperature", "0.7", *(first if mode == "first" else [])])
+            done[script, mode] = steps(str(d / "run"))[0]
+        return done[script, mode]
+    return rows
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_training_forward_runs_at_the_sampling_temperature(one_minibatch, script):
     """One mini-batch: the first (only) update's ratio pi_theta/pi_old is exactly 1 when the training forward divides
     its logits by the same --temperature as the recompute: approx_kl is 0 up to rounding and nothing is clipped."""
-    run_dir = str(tmp_path / "run")
-    run([sys.executable, "grpo.py", "--run-dir", run_dir, *SMALL, "--num-minibatches", "1", "--temperature", "0.7"])
-    for row in steps(run_dir):
-        assert row["policy/clip_frac"] == 0 and abs(row["policy/approx_kl"]) < 1e-10
+    row = one_minibatch(script, "recompute")
+    assert abs(row["policy/approx_kl"]) < 1e-10, row["policy/approx_kl"]
+    assert row.get("policy/clip_frac", 0) == 0  # (pg_is.py has no clip)
 
 
-@pytest.mark.parametrize("script_flags", [[], ["--is-correction", "seq-tis"]], ids=["plain", "seq-tis"])
-def test_one_rank_and_two_give_the_same_gradient_norm_on_the_same_batch(tmp_path, script_flags):
-    """The normalizer counts the sequences of all ranks and each rank's loss is multiplied by the world size (FSDP
-    averages gradients): drop either and 2 ranks give half the gradient of 1. The fixed sampler gives both the same
-    global batch, and one mini-batch the same optimizer step (with two, each rank's first mini-batch holds its own
-    first prompts: another split of the batch); fp32 summation orders differ, so rel 1e-4."""
+@pytest.mark.parametrize("script, script_flags", [(s, []) for s in SCRIPTS] +
+                         [("grpo.py", ["--is-correction", "seq-tis"])],
+                         ids=[s[:-3] for s in SCRIPTS] + ["grpo-seq-tis"])
+def test_one_rank_and_two_give_the_same_gradient_norm_on_the_same_batch(tmp_path, script, script_flags):
+    """The normalizer counts the sequences (or tokens) of all ranks and each rank's loss is multiplied by the world
+    size (FSDP averages gradients): drop either and 2 ranks give half the gradient of 1. The fixed sampler gives both
+    the same global batch, and one mini-batch the same optimizer step (with two, each rank's first mini-batch holds
+    its own first prompts: another split of the batch); fp32 summation orders differ, so rel 1e-4 (and abs 1e-7:
+    gspo.py's loss at its first update is 0 up to rounding, its ratios 1 and its advantages summing to 0 in each
+    group). ppo.py's critic too."""
     rows = {}
     for n in (1, 2):
         run_dir = str(tmp_path / f"ranks{n}")
         run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "tests/wiring.py",
-             "fixed", "--run-dir", run_dir, *SMALL, "--num-steps", "1", "--num-minibatches", "1", *script_flags])
+             "fixed", script, "--run-dir", run_dir, *ONE_MINIBATCH, *script_flags])
         rows[n] = steps(run_dir)[0]
-    for key in ("optim/grad_norm", "train/loss", "train/accuracy", "mismatch/kl_k3", "is/weight_mean"):
-        assert rows[2][key] == pytest.approx(rows[1][key], rel=1e-4, abs=1e-9), key
+    keys = [k for k in ("optim/grad_norm", "train/loss", "train/accuracy", "mismatch/kl_k3", "is/weight_mean",
+                        "critic/grad_norm", "critic/value_loss") if k in rows[1]]
+    assert {"optim/grad_norm", "train/loss", "mismatch/kl_k3"} <= set(keys)
+    for key in keys:
+        assert rows[2][key] == pytest.approx(rows[1][key], rel=1e-4, abs=1e-7), key
     assert rows[1]["optim/grad_norm"] > 0
 
 
-def test_old_logp_mu_measures_the_mismatch_on_the_first_mini_batch(tmp_path):
-    """With one mini-batch the first mini-batch's forward is pi_old's: --old-logp mu must log the mismatch (and the
-    entropy) that a recompute gives, from the training forward instead of an extra one."""
-    rows = {}
-    for mode in ("recompute", "mu"):
-        run_dir = str(tmp_path / mode)
-        run([sys.executable, "tests/wiring.py", "record", str(tmp_path / f"{mode}.json"), "--run-dir", run_dir,
-             *SMALL, "--num-minibatches", "1", "--num-steps", "1", "--old-logp", mode])
-        rows[mode] = steps(run_dir)[0]
-    for key in ("mismatch/kl_k1", "mismatch/kl_k2", "mismatch/kl_k3", "mismatch/prob_abs_diff_mean",
-                "mismatch/prob_abs_diff_max", "mismatch/seq_log_ratio_mean", "mismatch/seq_log_ratio_min",
-                "mismatch/seq_log_ratio_max", "is/token_clip_frac", "is/ratio_mean", "train/entropy"):
-        assert rows["mu"][key] == pytest.approx(rows["recompute"][key], rel=1e-5, abs=1e-7), key
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_old_logp_mu_measures_the_mismatch_on_the_first_mini_batch(one_minibatch, script):
+    """With one mini-batch the first mini-batch's forward is pi_old's: --old-logp mu (pg_is.py: --mismatch-from
+    first-minibatch) must log the mismatch (and the entropy) that a recompute gives, from the training forward
+    instead of an extra one."""
+    rows = {mode: one_minibatch(script, mode) for mode in ("recompute", "first")}
+    keys = [k for k in ("mismatch/kl_k1", "mismatch/kl_k2", "mismatch/kl_k3", "mismatch/prob_abs_diff_mean",
+                        "mismatch/prob_abs_diff_max", "mismatch/seq_log_ratio_mean", "mismatch/seq_log_ratio_min",
+                        "mismatch/seq_log_ratio_max", "is/token_clip_frac", "is/ratio_mean", "train/entropy")
+            if k in rows["recompute"]]
+    assert {"mismatch/kl_k3", "mismatch/seq_log_ratio_min", "train/entropy"} <= set(keys)
+    for key in keys:
+        assert rows["first"][key] == pytest.approx(rows["recompute"][key], rel=1e-5, abs=1e-7), key
     assert rows["recompute"]["mismatch/kl_k3"] > 1e-3  # (mu is perturbed: a mismatch to measure)
 
 
@@ -118,17 +171,33 @@ def test_mismatch_metrics_hand_computed():
     assert m["mismatch/prob_abs_diff_max"] == pytest.approx(max(probs))
 
 
-def test_the_collapse_monitor_survives_a_resume(tmp_path):
-    """--kl-baseline-steps 1: kl_growth is logged from step 2 on; a run resumed at step 2 logs at step 3 what the
-    uninterrupted run logs (the monitor's baseline and window come back from the checkpoint)."""
-    flags = [*SMALL, "--num-steps", "3", "--kl-baseline-steps", "1", "--save-every", "1"]
+def test_a_minimum_keeps_its_sign():
+    """StepStats reduces a minimum as the maximum of its negation: the rows' log-ratios sum to -0.5 and 0.25, so
+    mismatch/seq_log_ratio_min is -0.5, below the max (with the sign dropped on the way back it was +0.5)."""
+    mu = torch.full((2, 2), -1.0)
+    old = mu + torch.tensor([[-0.25, -0.25], [0.25, 0.0]])
+    stats = StepStats(torch.device("cpu"))
+    mismatch(stats, old, mu, torch.ones(2, 2, dtype=torch.bool))
+    stats.min("test/min", torch.tensor(2.0))
+    stats.min("test/min", -3.0)
+    stats.max("test/max", -1.5)
+    m = stats.reduce(all_ranks=False)
+    assert m["mismatch/seq_log_ratio_min"] == pytest.approx(-0.5)
+    assert m["mismatch/seq_log_ratio_max"] == pytest.approx(0.25)
+    assert (m["test/min"], m["test/max"]) == (-3.0, -1.5)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_collapse_monitor_survives_a_resume(tmp_path, script):
+    """--kl-baseline-steps 1: kl_growth is logged from step 2 on; a run resumed from step 2's checkpoint logs at step
+    3 what the uninterrupted run logs (the monitor's baseline and window come back from the checkpoint)."""
+    flags = [*SMALL, "--num-steps", "3", "--kl-baseline-steps", "1", "--save-every", "1", "--keep-last", "0"]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    run([sys.executable, "grpo.py", "--run-dir", a, *flags])
-    run([sys.executable, "grpo.py", "--run-dir", b, *flags, "--num-steps", "2"])
-    run([sys.executable, "grpo.py", "--run-dir", b, *flags, "--resume", "latest"])
+    run([sys.executable, script, "--run-dir", a, *flags])
+    run([sys.executable, script, "--run-dir", b, *flags, "--resume", os.path.join(a, "checkpoints", "step_000002")])
     ra, rb = steps(a), steps(b)
-    assert "mismatch/kl_growth" in ra[2] and rb[2]["step"] == 3
-    assert rb[2]["mismatch/kl_growth"] == ra[2]["mismatch/kl_growth"]
+    assert "mismatch/kl_growth" in ra[2] and [r["step"] for r in rb] == [3]
+    assert rb[0]["mismatch/kl_growth"] == ra[2]["mismatch/kl_growth"]
 
 
 def test_offline_analysis_relative_error_is_over_the_mean():

@@ -1,13 +1,17 @@
-"""Runs grpo.py's main() with what tests/test_wiring.py needs to see inside a step:
+"""Runs an algorithm script's main() with what tests/test_wiring.py needs to see inside a step:
 
-    python tests/wiring.py record OUT_JSON [grpo.py args...]   # what the loss received, and what it returned
-    torchrun --nproc_per_node N tests/wiring.py fixed [grpo.py args...]   # a sampler that returns a fixed batch
+    python tests/wiring.py record OUT_JSON SCRIPT [args...]   # what the loss received, and what it returned
+    torchrun --nproc_per_node N tests/wiring.py fixed SCRIPT [args...]   # a sampler that returns a fixed batch
 
+SCRIPT: grpo.py or a sibling (tests/conftest.py SCRIPTS).
 record: the sampler's mu is perturbed (a seeded +-1 nat per token, as tests/same_numbers.py does) so that the
-rollout correction's weights are not 1, and every call of grpo.policy_loss and of Corrections.weights is recorded:
-the weights and normalizers the loss received, the loss it returned, the weights the correction computed.
+rollout correction's weights are not 1, and every call of the script's policy_loss and of Corrections.weights is
+recorded: the weights and normalizers the loss received (those of its arguments the script's loss has), the loss it
+returned, the weights the correction computed (scripts with the rollout corrections).
 fixed: every rank's sampler answers each prompt with responses that depend on the prompt alone (not on the rank, the
 seed or the weights), with a fixed mu, so that 1 rank and N ranks train on the same global batch."""
+import importlib
+import inspect
 import json
 import os
 import sys
@@ -22,11 +26,17 @@ import torch  # noqa: E402
 import common.dist  # noqa: E402
 import common.hf_sampler  # noqa: E402
 import corrections  # noqa: E402
-import grpo  # noqa: E402
 from common.batches import Rollout  # noqa: E402
 
+NORMALIZERS = ("max_response_len", "num_seqs", "num_tokens")  # the constants a script's loss divides by
 
-def record(out_json: str, argv: list[str]) -> None:
+
+def script_module(script: str):
+    return importlib.import_module(os.path.basename(script)[:-len(".py")])
+
+
+def record(out_json: str, script: str, argv: list[str]) -> None:
+    mod = script_module(script)
     calls = {"loss": [], "weights": []}
     generate = common.hf_sampler.HFSampler.generate
     n_calls = [0]
@@ -38,20 +48,26 @@ def record(out_json: str, argv: list[str]) -> None:
         out.logprobs = [(lp + 2 * torch.rand(lp.shape, generator=g) - 1).clamp(max=0.0) for lp in out.logprobs]
         return out
     common.hf_sampler.HFSampler.generate = perturbed
-    loss_fn, weights_fn = grpo.policy_loss, corrections.Corrections.weights
+    loss_fn, weights_fn = mod.policy_loss, corrections.Corrections.weights
+    signature = inspect.signature(loss_fn)
 
-    def loss(logp_BT, old_logp_BT, adv_B, weight_BT, mask_BT, eps_low, eps_high, max_response_len, num_seqs):
-        out = loss_fn(logp_BT, old_logp_BT, adv_B, weight_BT, mask_BT, eps_low, eps_high, max_response_len, num_seqs)
-        calls["loss"].append({"weight_sum": float((weight_BT * mask_BT).sum()), "tokens": int(mask_BT.sum()),
-                              "max_response_len": max_response_len, "num_seqs": num_seqs, "loss": float(out[0])})
+    def loss(*a, **k):
+        out = loss_fn(*a, **k)
+        given = signature.bind(*a, **k).arguments
+        mask_BT = given["mask_BT"]
+        call = {"tokens": int(mask_BT.sum()), "loss": float(out[0])}
+        if "weight_BT" in given:
+            call["weight_sum"] = float((given["weight_BT"] * mask_BT).sum())
+        call.update((name, float(given[name])) for name in NORMALIZERS if name in given)
+        calls["loss"].append(call)
         return out
 
     def weights(self, stats, old_logp_BT, mu_logp_BT, mask_BT):
         w_BT = weights_fn(self, stats, old_logp_BT, mu_logp_BT, mask_BT)
         calls["weights"].append({"weight_sum": float((w_BT * mask_BT).sum()), "tokens": int(mask_BT.sum())})
         return w_BT
-    grpo.policy_loss, corrections.Corrections.weights = loss, weights
-    grpo.main(grpo.parse_args(argv))
+    mod.policy_loss, corrections.Corrections.weights = loss, weights
+    mod.main(mod.parse_args(argv))
     common.dist.cleanup_distributed()
     with open(out_json, "w") as f:
         json.dump(calls, f)
@@ -95,20 +111,21 @@ class FixedSampler:
         pass
 
 
-def fixed(argv: list[str]) -> None:
+def fixed(script: str, argv: list[str]) -> None:
     from transformers import AutoTokenizer
+    mod = script_module(script)
 
     def make_sampler(flags, model_path, *a, **k):
         return FixedSampler(AutoTokenizer.from_pretrained(model_path))
-    grpo.make_sampler = make_sampler
-    grpo.main(grpo.parse_args(argv))
+    mod.make_sampler = make_sampler
+    mod.main(mod.parse_args(argv))
     common.dist.cleanup_distributed()
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "record":
-        record(sys.argv[2], sys.argv[3:])
+        record(sys.argv[2], sys.argv[3], sys.argv[4:])
     elif sys.argv[1] == "fixed":
-        fixed(sys.argv[2:])
+        fixed(sys.argv[2], sys.argv[3:])
     else:
         raise SystemExit(__doc__)
