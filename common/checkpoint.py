@@ -2,6 +2,7 @@
 model.safetensors, streamed by rank 0), optimizer/ (DCP shards, resharded on load), trainer_state.json and
 rng_rank{r}.json. What each file holds, the phases of a save, resuming from an older step: docs/checkpoints.md.
 """
+import contextlib
 import dataclasses
 import enum
 import errno
@@ -442,6 +443,18 @@ def read_json(path: str, what: str = ""):
     except UnicodeDecodeError as e:
         raise ValueError(f"{what + ': ' if what else ''}{path} is damaged: not UTF-8 text (byte "
                          f"{e.object[e.start]:#04x} at offset {e.start})") from None
+
+
+@contextlib.contextmanager
+def damaged(path: str, what: str):
+    """For a block that loads state read from `path`, a checkpoint's JSON file: valid JSON of the wrong shape (a key
+    missing, a list for a dict, a string for a number, a random state of the wrong length) is a ValueError, one line
+    naming the file and `what` of it is wrong, not the loader's traceback."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+        raise ValueError(f"--resume: {path} is damaged: {what} ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]})") from None
 
 
 # What torch.distributed.checkpoint pickles into optimizer/.metadata: its metadata dataclasses and enums (in the

@@ -1,8 +1,9 @@
 """What a hostile or damaged checkpoint does to a resume (docs/faults.md, "A damaged or foreign checkpoint"): a file
 that no checkpoint of ours holds is refused before anything is read (torch would unpickle a rank's own DCP metadata
 when the checkpoint's .metadata does not load); .metadata of the wrong shape is refused; ppo.py's critic/ gets the
-checks of the policy's part. The scripts run in this process on the built-in task, on CPU (test_hostile_input.py's
-helpers)."""
+checks of the policy's part; trainer_state.json and rng_rank{r}.json of the wrong shape are one line naming the file.
+The scripts run in this process on the built-in task, on CPU (test_hostile_input.py's helpers)."""
+import json
 import os
 import pickle
 import shutil
@@ -127,4 +128,38 @@ def test_a_damaged_critic_is_a_one_line_error_naming_the_file(copy_of, file, how
     before = files(run_dir)
     error = resume("ppo.py", run_dir)
     assert error is not None and said in error and os.path.join(STEP2, "critic") in error, error
+    assert files(run_dir) == before
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Valid JSON of the wrong shape
+
+
+def edit_json(path, edit):
+    with open(path) as f:
+        data = json.load(f)
+    edit(data)
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+@pytest.mark.parametrize("name,file,edit,said", [
+    ("grpo.py", "trainer_state.json", lambda s: s["kl_monitor"].pop("baseline"), "its kl_monitor"),
+    ("grpo.py", "trainer_state.json", lambda s: s["kl_monitor"].update(recent=5), "its kl_monitor"),
+    ("grpo.py", "trainer_state.json", lambda s: s.update(scaler=[1.0]), "its scaler"),
+    ("grpo.py", "trainer_state.json", lambda s: s["scaler"].update(scale="high"), "its scaler"),
+    ("grpo.py", "rng_rank0.json", lambda s: s["torch"].pop(), "not a random state"),
+    ("grpo.py", "rng_rank0.json", lambda s: s["python"][1].pop(), "not a random state"),
+    ("ppo.py", "critic/trainer_state.json", lambda s: s["scaler"].pop("good_steps"), "its scaler"),
+    ("ppo.py", "critic/trainer_state.json", lambda s: s["value_head"]["weight"][0].pop(), "its value_head"),
+])
+def test_state_of_the_wrong_shape_is_a_one_line_error_naming_the_file(copy_of, name, file, edit, said):
+    """Before: tracebacks (KeyError, TypeError from Python's or torch's random state, a size mismatch), or a scale
+    that is a string, taken as it was (the traceback came at the first step)."""
+    run_dir = copy_of(name)
+    path = os.path.join(run_dir, STEP2, file)
+    edit_json(path, edit)
+    before = files(run_dir)
+    error = resume(name, run_dir)
+    assert error is not None and f"{path} is damaged: " in error and said in error, error
     assert files(run_dir) == before
