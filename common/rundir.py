@@ -77,6 +77,7 @@ class RunDir:
         self.resume_dir = find_resume_dir(infra.resume, self.checkpoints) if infra.resume else None
         if self.resume_dir:  # the settings that define the run must be the checkpoint's (--accept-changes: on purpose)
             check_resume_config(self.resume_dir, path, config, infra.accept_changes)
+            check_steps_left(self.resume_dir, config["num_steps"])
 
     def start(self, step: int) -> None:
         """Collective. Every input is read and checked: only now does the directory change. --overwrite removes the
@@ -125,6 +126,15 @@ class RunDir:
         if dist.get_rank() == 0:
             print(f"[resume] from {self.resume_dir} at step {step}", flush=True)
         return step
+
+
+def check_steps_left(resume_dir: str, num_steps: int) -> None:
+    """A resume whose --num-steps is not past the checkpoint's step would train nothing (and evaluate the checkpoint
+    again; from an older checkpoint, set the later ones aside): refused before anything is loaded or moved."""
+    step = checkpoint.read_json(os.path.join(resume_dir, "trainer_state.json"), "--resume")["step"]
+    if num_steps <= step:
+        raise ValueError(f"--num-steps {num_steps}: the checkpoint {resume_dir} is at step {step} already: nothing to "
+                         f"train; give --num-steps above {step} to continue the run")
 
 
 def claim_run_dir(run_dir: str, resume: bool, overwrite: bool):

@@ -1,8 +1,9 @@
 """What a hostile or damaged checkpoint does to a resume (docs/faults.md, "A damaged or foreign checkpoint"): a file
 that no checkpoint of ours holds is refused before anything is read (torch would unpickle a rank's own DCP metadata
 when the checkpoint's .metadata does not load); .metadata of the wrong shape is refused; ppo.py's critic/ gets the
-checks of the policy's part; trainer_state.json and rng_rank{r}.json of the wrong shape are one line naming the file.
-The scripts run in this process on the built-in task, on CPU (test_hostile_input.py's helpers)."""
+checks of the policy's part; trainer_state.json and rng_rank{r}.json of the wrong shape are one line naming the file;
+a --num-steps that leaves nothing to train is refused before anything moves. The scripts run in this process on the
+built-in task, on CPU (test_hostile_input.py's helpers)."""
 import json
 import os
 import pickle
@@ -162,4 +163,23 @@ def test_state_of_the_wrong_shape_is_a_one_line_error_naming_the_file(copy_of, n
     before = files(run_dir)
     error = resume(name, run_dir)
     assert error is not None and f"{path} is damaged: " in error and said in error, error
+    assert files(run_dir) == before
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --num-steps at or below the checkpoint's step
+
+
+@pytest.mark.parametrize("resume_from,num_steps", [("latest", "2"), ("latest", "1"), (STEP1, "1")])
+def test_num_steps_that_leave_nothing_to_train_are_refused(copy_of, resume_from, num_steps):
+    """Before: exit 0 having trained nothing, an evaluation row again for the checkpoint's step, and from step 1 the
+    checkpoint of step 2 moved aside."""
+    run_dir = copy_of("grpo.py")
+    before = files(run_dir)
+    if resume_from != "latest":
+        resume_from = os.path.join(run_dir, resume_from)
+    step = "2" if resume_from == "latest" else "1"
+    refused("grpo.py", "--run-dir", run_dir, *B, "--num-steps", num_steps, "--resume", resume_from,
+            match=f"--num-steps {num_steps}: the checkpoint {run_dir}/checkpoints/step_00000{step} is at step {step} "
+                  "already: nothing to train")
     assert files(run_dir) == before
