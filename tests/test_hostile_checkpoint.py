@@ -80,6 +80,26 @@ def test_a_planted_rank_metadata_is_refused_before_torch_reads_it(copy_of, tmp_p
     assert files(run_dir) == before
 
 
+def test_torch_reads_the_metadata_through_the_check_and_never_a_rank_metadata(finished_runs, tmp_path):
+    """Beside the refusal above: the reader that load_training_state gives torch reads .metadata as the check does
+    (whatever is there by the time torch reads it) and never __<rank>.metadata, which torch 2.13 asks for when
+    .metadata does not load."""
+    from common.checkpoint import CheckedReader, UnsafeCheckpoint
+    optimizer, marker = os.path.join(shutil.copytree(finished_runs["grpo.py"], str(tmp_path / "run")), STEP2,
+                                     "optimizer"), str(tmp_path / "pwned")
+    with open(os.path.join(optimizer, ".metadata"), "rb") as f:
+        real = f.read()
+    with open(os.path.join(optimizer, "__0.metadata"), "wb") as f:
+        pickle.dump(RunsCodeThenLoads(marker, real), f)
+    assert CheckedReader(optimizer).read_metadata(rank=0).storage_data == pickle.loads(real).storage_data
+    with open(os.path.join(optimizer, ".metadata"), "wb") as f:
+        pickle.dump(RunsCodeThenLoads(marker, real), f)
+    for rank in (None, 0):
+        with pytest.raises(UnsafeCheckpoint, match="names builtins.eval"):
+            CheckedReader(optimizer).read_metadata(rank=rank)
+    assert not os.path.exists(marker)
+
+
 @pytest.mark.parametrize("where,named", [
     ("pytorch_model.bin", "pytorch_model.bin"), ("critic/pytorch_model.bin", "critic/pytorch_model.bin"),
     ("optimizer/__0_0.distcp.bak", "optimizer/__0_0.distcp.bak"), ("notes/state.pkl", "notes")])
