@@ -278,7 +278,11 @@ def load_critic(path: str, param_dtype: torch.dtype, device: torch.device, gradi
         head = init_value_head(lm.config.hidden_size, seed)
         saved = saved_value_head(path)
         if saved is not None:
-            head.load_state_dict({name: torch.tensor(v, dtype=torch.float32) for name, v in saved.items()})
+            try:
+                head.load_state_dict({name: torch.tensor(v, dtype=torch.float32) for name, v in saved.items()})
+            except (RuntimeError, TypeError, ValueError, AttributeError) as e:  # JSON, but not this value head
+                raise ValueError(f"{os.path.join(path, 'trainer_state.json')} is damaged: its value_head is not this "
+                                 f"critic's ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
         # an untied lm_head is never used by the critic: frozen, so that no optimizer holds it (AdamW would keep no
         # state for a weight that gets no gradient, while a resumed run's fresh optimizer asks the checkpoint for its
         # state: "Missing key ... lm.lm_head.weight.step"). Tied, it is the embedding, which the critic trains

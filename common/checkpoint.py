@@ -2,6 +2,7 @@
 model.safetensors, streamed by rank 0), optimizer/ (DCP shards, resharded on load), trainer_state.json and
 rng_rank{r}.json. What each file holds, the phases of a save, resuming from an older step: docs/checkpoints.md.
 """
+import contextlib
 import dataclasses
 import enum
 import errno
@@ -21,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from tqdm import tqdm
 
@@ -371,9 +372,10 @@ def set_aside_newer(ckpt_root: str, step: int, metrics_path: str | None = None) 
 
 def find_resume_dir(resume: str, ckpt_root: str) -> str:
     """The checkpoint of --resume ('latest': the newest complete one in ckpt_root), checked before anything is loaded
-    or written: its model directory as --model's (config and tokenizer files, complete safetensors weights),
-    trainer_state.json, and optimizer/.metadata, which must hold checkpoint metadata only (check_dcp_metadata). A
-    damaged or foreign checkpoint is a one-line error naming the file."""
+    or written: no file in it that a checkpoint of ours never holds (check_checkpoint_files), and its root and each
+    part's folder (ppo.py's critic/) as --model's directory (config and tokenizer files, complete safetensors
+    weights), with a trainer_state.json that has the step, and optimizer/.metadata holding checkpoint metadata only
+    (check_dcp_metadata). A damaged or foreign checkpoint is a one-line error naming the file."""
     path = resume
     if resume == "latest":
         found = list_checkpoints(ckpt_root)
@@ -382,14 +384,52 @@ def find_resume_dir(resume: str, ckpt_root: str) -> str:
         path = found[-1]
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise FileNotFoundError(f"--resume {resume!r}: {path} is not a complete checkpoint (no trainer_state.json)")
-    check_model_dir(path, "--resume")
-    state = read_json(os.path.join(path, "trainer_state.json"), "--resume")
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        raise ValueError(f"--resume: {os.path.join(path, 'trainer_state.json')} has no step: not a checkpoint's")
-    metadata = os.path.join(path, "optimizer", ".metadata")
-    if os.path.exists(metadata):
-        check_dcp_metadata(metadata)
+    for part in [path, *check_checkpoint_files(path)]:
+        check_model_dir(part, "--resume")
+        state = read_json(os.path.join(part, "trainer_state.json"), "--resume")
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            raise ValueError(f"--resume: {os.path.join(part, 'trainer_state.json')} has no step: not a checkpoint's")
+        metadata = os.path.join(part, "optimizer", ".metadata")
+        if os.path.exists(metadata):
+            check_dcp_metadata(metadata)
     return path
+
+
+# The files a checkpoint of ours holds, in its root and in each part's folder (a folder with a trainer_state.json:
+# ppo.py's critic/): the weights, JSON files (the model's config and generation config, the tokenizer's files,
+# trainer_state.json, rng_rank{r}.json), a tokenizer's text, sentencepiece and chat-template files, and optimizer/:
+# DCP's .metadata and its shards. (rng_rank{r}.pt, an older version's, is never read.) Anything else is refused before
+# anything is read: torch may load a file that we never write, and run the code a pickle in it carries (torch 2.13
+# unpickles optimizer/__<rank>.metadata when .metadata does not load).
+CHECKPOINT_FILE = re.compile(r"model\.safetensors|.+\.(json|txt|model|jinja)|rng_rank\d+\.pt")
+DCP_SHARD = re.compile(r"__\d+_\d+\.distcp")  # __<rank>_<n>.distcp: a rank's n-th file
+
+
+def check_checkpoint_files(path: str, part: bool = False) -> list[str]:
+    """Raise UnsafeCheckpoint, one line naming it, for the first entry of the checkpoint at `path` (a part's folder
+    when `part`) that no checkpoint of ours holds (CHECKPOINT_FILE, DCP_SHARD). Returns the parts' folders, each
+    checked the same way."""
+    def foreign(entry: str, kind: str) -> UnsafeCheckpoint:
+        return UnsafeCheckpoint(f"--resume: {entry}: no checkpoint holds such a {kind}; refused before anything is "
+                                "read (torch may load a file we never write, and run code it carries; remove it if "
+                                "you know what it is)")
+    parts = []
+    for name in sorted(os.listdir(path)):
+        entry = os.path.join(path, name)
+        if not os.path.isdir(entry):
+            if not CHECKPOINT_FILE.fullmatch(name):
+                raise foreign(entry, "file")
+        elif name == "optimizer":
+            for inner in sorted(os.listdir(entry)):
+                ours = inner == ".metadata" or DCP_SHARD.fullmatch(inner)
+                if not ours or os.path.isdir(os.path.join(entry, inner)):
+                    raise foreign(os.path.join(entry, inner), "file")
+        elif not part and os.path.isfile(os.path.join(entry, "trainer_state.json")):
+            check_checkpoint_files(entry, part=True)
+            parts.append(entry)
+        else:
+            raise foreign(entry, "directory")
+    return parts
 
 
 def read_json(path: str, what: str = ""):
@@ -403,6 +443,18 @@ def read_json(path: str, what: str = ""):
     except UnicodeDecodeError as e:
         raise ValueError(f"{what + ': ' if what else ''}{path} is damaged: not UTF-8 text (byte "
                          f"{e.object[e.start]:#04x} at offset {e.start})") from None
+
+
+@contextlib.contextmanager
+def damaged(path: str, what: str):
+    """For a block that loads state read from `path`, a checkpoint's JSON file: valid JSON of the wrong shape (a key
+    missing, a list for a dict, a string for a number, a random state of the wrong length) is a ValueError, one line
+    naming the file and `what` of it is wrong, not the loader's traceback."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+        raise ValueError(f"--resume: {path} is damaged: {what} ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]})") from None
 
 
 # What torch.distributed.checkpoint pickles into optimizer/.metadata: its metadata dataclasses and enums (in the
@@ -434,12 +486,17 @@ class UnsafeCheckpoint(ValueError):
     """A checkpoint file that would run code if PyTorch loaded it as it does (a pickle naming other globals)."""
 
 
-def check_dcp_metadata(path: str) -> None:
-    """Raise UnsafeCheckpoint (one line, naming the file) unless `path`, a DCP .metadata file, unpickles into
-    torch.distributed.checkpoint's Metadata with _MetadataUnpickler. torch's FileSystemReader.read_metadata reads
-    that file with plain pickle.load (torch 2.13), which runs whatever a pickle names: this check comes first. (The
-    metadata classes allowed are looked up in each module where torch versions keep them.)"""
-    from torch.distributed.checkpoint.metadata import Metadata
+def check_dcp_metadata(path: str):
+    """The Metadata in `path`, a DCP .metadata file, unpickled with _MetadataUnpickler; UnsafeCheckpoint (one line,
+    naming the file) unless it is checkpoint metadata of the shape torch reads (its storage_meta a StorageMeta or
+    None, every storage entry in a shard of the folder). torch's FileSystemReader.read_metadata reads that file with
+    plain pickle.load (torch 2.13), which runs whatever a pickle names: this check comes first, and CheckedReader
+    reads it this way instead. (The metadata classes allowed are looked up in each module where torch versions keep
+    them.)"""
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    def unsafe(why: str) -> UnsafeCheckpoint:
+        return UnsafeCheckpoint(f"--resume: {path} is not a checkpoint's optimizer metadata ({why}); refused")
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -448,8 +505,30 @@ def check_dcp_metadata(path: str) -> None:
                                f"{' '.join(str(e).split())[:200]}); refused: unpickling it could run code (to train "
                                "from a checkpoint of unknown origin, give it as --model: weights only)") from None
     if not isinstance(metadata, Metadata):
-        raise UnsafeCheckpoint(f"--resume: {path} is not a checkpoint's optimizer metadata (it holds a "
-                               f"{type(metadata).__name__}); refused")
+        raise unsafe(f"it holds a {type(metadata).__name__}")
+    if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):
+        raise unsafe("its state_dict_metadata and storage_data are not both dicts")
+    if not isinstance(metadata.storage_meta, (StorageMeta, type(None))):
+        raise unsafe(f"its storage_meta is a {type(metadata.storage_meta).__name__}")
+    for info in metadata.storage_data.values():
+        where = getattr(info, "relative_path", None)
+        if not isinstance(where, str) or not DCP_SHARD.fullmatch(where):
+            raise unsafe(f"it reads {where!r}, no shard of a checkpoint")
+    return metadata
+
+
+class CheckedReader(FileSystemReader):
+    """DCP's file reader, except that it reads .metadata as check_dcp_metadata does, and never a rank's own
+    __<rank>.metadata: torch 2.13 falls back to that file (with plain pickle.load) when .metadata does not load, and
+    a checkpoint of ours never holds one."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+        metadata = check_dcp_metadata(os.path.join(self.path, ".metadata"))
+        if metadata.storage_meta is None:  # (as FileSystemReader.read_metadata does)
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
@@ -479,16 +558,17 @@ def load_training_state(path: str, model: torch.nn.Module, optimizer: torch.opti
     """Optimizer state (each rank reads the parts of the DCP shards it now holds: any number of ranks),
     trainer_state.json and this rank's RNG state (empty when the checkpoint was written by fewer ranks). The weights
     come from loading `path` as the model directory. Nothing of the checkpoint is unpickled unchecked
-    (check_dcp_metadata, WeightsOnlyLoadPlanner)."""
+    (CheckedReader, WeightsOnlyLoadPlanner)."""
     rank = dist.get_rank()
     if optimizer is not None:
         state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # the layout this run holds (zeros)
         metadata = os.path.join(path, "optimizer", ".metadata")
         if not os.path.isfile(metadata):
             raise FileNotFoundError(f"--resume: {path} is not a complete checkpoint (no optimizer/.metadata)")
-        check_dcp_metadata(metadata)  # torch reads it next, with pickle.load
+        check_dcp_metadata(metadata)  # (CheckedReader reads it again, as this did)
         try:
-            dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"), planner=WeightsOnlyLoadPlanner())
+            dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"),
+                     storage_reader=CheckedReader(os.path.join(path, "optimizer")), planner=WeightsOnlyLoadPlanner())
         except CheckpointException as e:  # a BaseException, whose message holds every rank's traceback: one line
             if interrupted_inside(e):
                 raise KeyboardInterrupt from None

@@ -167,7 +167,9 @@ class MismatchMonitor:
         return {"baseline": self.baseline, "recent": self.recent, "warning": self.warning}
 
     def load_state_dict(self, state: dict) -> None:
-        self.baseline, self.recent, self.warning = state["baseline"], list(state["recent"]), state["warning"]
+        baseline = state["baseline"]  # (numbers, not just JSON)
+        self.baseline = None if baseline is None else float(baseline)
+        self.recent, self.warning = [float(kl) for kl in state["recent"]], bool(state["warning"])
 
 
 def mean_finite(values: list[float]) -> float:

@@ -103,8 +103,8 @@ class LossScaler:
                 "consecutive_skips": self.consecutive_skips}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self.good_steps, self.skipped_steps = state["scale"], state["good_steps"], state["skipped_steps"]
-        self.consecutive_skips = state.get("consecutive_skips", 0)
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])  # (a number, not just JSON)
+        self.skipped_steps, self.consecutive_skips = int(state["skipped_steps"]), int(state.get("consecutive_skips", 0))
 
 
 def check_finite_logprobs(step: int, mask_BT: torch.Tensor, device, train: torch.dtype, rollout: torch.dtype,

@@ -77,6 +77,7 @@ class RunDir:
         self.resume_dir = find_resume_dir(infra.resume, self.checkpoints) if infra.resume else None
         if self.resume_dir:  # the settings that define the run must be the checkpoint's (--accept-changes: on purpose)
             check_resume_config(self.resume_dir, path, config, infra.accept_changes)
+            check_steps_left(self.resume_dir, config["num_steps"])
 
     def start(self, step: int) -> None:
         """Collective. Every input is read and checked: only now does the directory change. --overwrite removes the
@@ -98,20 +99,42 @@ class RunDir:
 
     def load(self, parts: dict, sampler) -> int:
         """Collective. Restore every part's optimizer and state objects and the random streams from resume_dir (its
-        weights come with building the models from it), and return its step; 0 without --resume."""
+        weights come with building the models from it), and return its step; 0 without --resume. State of the wrong
+        shape is a one-line error naming its file, on every rank."""
         if self.resume_dir is None:
             return 0
         for folder, (model, optimizer, state) in parts.items():
-            trainer_state, rank_state = load_training_state(os.path.join(self.resume_dir, folder), model, optimizer)
+            path = os.path.join(self.resume_dir, folder)
+            trainer_state, rank_state = load_training_state(path, model, optimizer)
             for name, obj in state.items():  # ({}: a state a checkpoint of an older version did not keep)
-                obj.load_state_dict(trainer_state.get(name, {}))
+                with checkpoint.damaged(os.path.join(path, "trainer_state.json"), f"its {name} is not the state of "
+                                        f"a {type(obj).__name__}"):
+                    obj.load_state_dict(trainer_state.get(name, {}))
             if folder == "":
-                step = trainer_state["step"]
-                if rank_state:
-                    set_rng_state(rank_state, getattr(sampler, "generator", None))
+                step, streams = trainer_state["step"], rank_state
+        # the random streams last: rng_rank<r>.json is this rank's own, so a damaged one stops every rank here, after
+        # the collectives of loading
+        error = None
+        if streams:
+            try:
+                with checkpoint.damaged(os.path.join(self.resume_dir, f"rng_rank{dist.get_rank()}.json"),
+                                        "not a random state this run can restore"):
+                    set_rng_state(streams, getattr(sampler, "generator", None))
+            except ValueError as e:
+                error = str(e)
+        _first_on_every_rank(error)
         if dist.get_rank() == 0:
             print(f"[resume] from {self.resume_dir} at step {step}", flush=True)
         return step
+
+
+def check_steps_left(resume_dir: str, num_steps: int) -> None:
+    """A resume whose --num-steps is not past the checkpoint's step would train nothing (and evaluate the checkpoint
+    again; from an older checkpoint, set the later ones aside): refused before anything is loaded or moved."""
+    step = checkpoint.read_json(os.path.join(resume_dir, "trainer_state.json"), "--resume")["step"]
+    if num_steps <= step:
+        raise ValueError(f"--num-steps {num_steps}: the checkpoint {resume_dir} is at step {step} already: nothing to "
+                         f"train; give --num-steps above {step} to continue the run")
 
 
 def claim_run_dir(run_dir: str, resume: bool, overwrite: bool):
@@ -177,6 +200,16 @@ def _same_on_every_rank(error: str | None) -> str | None:
         dist.broadcast_object_list(shared, src=0)
         error = shared[0]
     return error
+
+
+def _first_on_every_rank(error: str | None) -> None:
+    """Collective. Raise ValueError, on every rank, with the first failing rank's line, when any rank has one."""
+    if dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise ValueError(error)
 
 
 def _lock(run_dir: str):
