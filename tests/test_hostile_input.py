@@ -211,6 +211,28 @@ def test_accept_changes_continues_on_purpose_and_the_change_sticks(old_run, caps
     assert json.load(open(os.path.join(old_run, "config_resume_000003.json")))["group_size"] == 2
 
 
+def test_resume_with_another_lr_trains_at_it_and_saves_it(finished_run, tmp_path):
+    """Before: the optimizer state loaded from the checkpoint brought the checkpoint's lr back, so a resume with --lr
+    was said and logged but trained at the old rate (every number bit-identical to a resume without the flag) and the
+    next checkpoint saved the old rate. Step 3 from the same state and batch: AdamW's step (the moments' direction
+    plus the decay) is proportional to the lr, so ten times the lr moves the weights ten times as far."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    before = load_file(os.path.join(finished_run, "checkpoints", "step_000002", "model.safetensors"))
+    moved, saved = {}, {}
+    for lr in (5e-4, 5e-3):  # the run's own lr (5e-4, the built-in preset's), then ten times it
+        run_dir = shutil.copytree(finished_run, str(tmp_path / f"lr{lr:g}"))
+        main("grpo.py", "--run-dir", run_dir, *B, "--num-steps", "3", "--resume", "latest", "--lr", str(lr))
+        ckpt = os.path.join(run_dir, "checkpoints", "step_000003")
+        after = load_file(os.path.join(ckpt, "model.safetensors"))
+        moved[lr] = torch.cat([(after[k] - before[k]).flatten() for k in before]).norm().item()
+        dcp_to_torch_save(os.path.join(ckpt, "optimizer"), str(tmp_path / "optimizer.pt"))
+        groups = torch.load(str(tmp_path / "optimizer.pt"), weights_only=True)["optimizer"]["param_groups"]
+        saved[lr] = {group["lr"] for group in groups}
+    assert 9 < moved[5e-3] / moved[5e-4] < 11, moved
+    assert saved == {5e-4: {5e-4}, 5e-3: {5e-3}}  # what the next resume starts from
+
+
 def test_accept_changes_goes_with_resume():
     import grpo
     with pytest.raises(ValueError, match="--accept-changes .* goes with --resume"):
