@@ -339,6 +339,28 @@ def test_resume_with_another_lr_trains_at_it_and_saves_it(finished_run, tmp_path
     assert saved == {5e-4: {5e-4}, 5e-3: {5e-3}}  # what the next resume starts from
 
 
+def test_a_loaded_optimizer_state_keeps_this_runs_settings(tmp_path, tiny_model_dir, process_group):
+    """What the resume of every part does (ppo.py's critic and its --critic-lr too, common/checkpoint.py): the
+    checkpoint's AdamW moments and step counts, this run's lr, betas and weight decay."""
+    from transformers import AutoTokenizer
+    from common.checkpoint import load_training_state, rng_state, save_checkpoint
+    from common.fsdp import load_policy
+    _, _, device = process_group
+    model = load_policy(tiny_model_dir, torch.float32, device, gradient_checkpointing=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    ckpt = save_checkpoint(str(tmp_path / "checkpoints"), 1, AutoTokenizer.from_pretrained(tiny_model_dir),
+                           {"": (model, optimizer, {})}, rng_state())
+    saved = [s["exp_avg"].full_tensor().clone() for s in optimizer.state.values()]
+    model.zero_grad(set_to_none=True)  # (as in a resumed run's fresh model)
+    resumed = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.8, 0.9), weight_decay=0.1)
+    load_training_state(ckpt, model, resumed)
+    assert [(g["lr"], g["betas"], g["weight_decay"]) for g in resumed.param_groups] == [(1e-4, (0.8, 0.9), 0.1)]
+    assert all(torch.equal(s["exp_avg"].full_tensor(), m) for s, m in zip(resumed.state.values(), saved, strict=True))
+
+
 def test_accept_changes_goes_with_resume():
     import grpo
     with pytest.raises(ValueError, match="--accept-changes .* goes with --resume"):
