@@ -577,7 +577,7 @@ def load_training_state(path: str, model: torch.nn.Module, optimizer: torch.opti
                 raise UnsafeCheckpoint(f"--resume: {os.path.join(path, 'optimizer')}: {unsafe[0]}") from None
             raise ValueError(f"--resume {path}: its optimizer state does not fit this model and optimizer "
                              f"({first_failure(e)})") from None
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        set_state_keeping_settings(model, optimizer, state["optimizer"])
     trainer_state = read_json(os.path.join(path, "trainer_state.json"), "--resume")
     rng_file = os.path.join(path, f"rng_rank{rank}.json")
     rank_state = {}
@@ -590,3 +590,14 @@ def load_training_state(path: str, model: torch.nn.Module, optimizer: torch.opti
         print(f"[resume] {path}: rng_rank*.pt not read (a pickle: loading it could run code); the random streams "
               "start afresh", flush=True)
     return trainer_state, rank_state
+
+
+def set_state_keeping_settings(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a checkpoint's optimizer state (AdamW's moments and step counts) into `optimizer`, whose settings (lr,
+    betas, weight decay: this run's flags) stay as they are. torch's load_state_dict takes the checkpoint's settings
+    with its state, so a resume with --lr (or ppo.py's --critic-lr) would train on at the old rate, log the new one,
+    and save the old one into the next checkpoint."""
+    settings = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    set_optimizer_state_dict(model, optimizer, state)
+    for group, ours in zip(optimizer.param_groups, settings, strict=True):
+        group.update(ours)

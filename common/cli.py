@@ -207,6 +207,9 @@ def validate(args, world_size: int, **ranges) -> None:
     for path in ([args.dataset] if args.dataset else []) + list(infra.eval_dataset):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"dataset {path!r}: no such file")
+    if infra.run_dir == "":  # (not the default in disguise: a value given is a value used)
+        raise ValueError("--run-dir '': an empty path; give a directory, or leave the flag out for the default, "
+                         "runs/<exp_name>_<seed>")
     if infra.resume not in (None, "latest") and not os.path.isdir(infra.resume):
         raise FileNotFoundError(f"--resume {infra.resume!r}: no such directory")
     if infra.overwrite and infra.resume is not None:

@@ -7,9 +7,10 @@ and its step loop sets `exits.progress.step` (the step in progress) and `exits.p
 checkpoints go), which the message on Ctrl-C names.
 
 Ctrl-C: the first SIGINT raises KeyboardInterrupt where the run is (inside a checkpoint save it is held until the
-save's next safe point: common/checkpoint.py); a second one, while the first is still being handled (threads joined,
-workers killed, a save finishing), ends the process at once with the same one line and exit code 130: an interrupt is
-never turned into a traceback or another error by the clean-up it interrupts.
+save's next safe point: common/checkpoint.py, and counted as the first); a second one, while the first is still being
+handled (threads joined, workers killed, a save finishing, the clean-up at exit), ends the process at once with the
+same one line and exit code 130, after the quick clean-ups registered with at_hard_exit (the reward workers killed):
+an interrupt is never turned into a traceback or another error by the clean-up it interrupts.
 """
 import atexit
 import os
@@ -48,21 +49,49 @@ def interrupted_line(script: str) -> str:
 def _say_interrupted(script: str) -> None:
     global _said
     if not _said:
+        line = interrupted_line(script)  # (before _said: a second Ctrl-C that cuts this short still says it)
         _said = True
-        print(interrupted_line(script), file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
 
 
-def _on_sigint(script: str):
-    count = [0]
+_hard_exit_calls = []  # what a second Ctrl-C still does before the process ends: quick, lock-free, cannot block
 
-    def handler(signum, frame):
-        count[0] += 1
-        if count[0] == 1:
+
+def at_hard_exit(fn) -> None:
+    """Have fn() called when a second Ctrl-C ends the process at once (os._exit: no atexit callback runs then). fn
+    must not wait or take a lock: it may run inside the very code it would wait for (e.g. a kill of the reward
+    workers that the first Ctrl-C had begun)."""
+    if fn not in _hard_exit_calls:
+        _hard_exit_calls.append(fn)
+
+
+class _Interrupts:
+    """The SIGINT handler of a script's run: the first Ctrl-C raises KeyboardInterrupt, a second one (the user
+    insists, or presses again while the first is handled) ends the process at once. A Ctrl-C held by SigintDeferred
+    counts as a first one (count_held): the next one is the second, whether during the save or after it."""
+
+    def __init__(self, script: str):
+        self.script, self.count = script, 0
+
+    def __call__(self, signum, frame):
+        self.count += 1
+        if self.count == 1:
             raise KeyboardInterrupt
         # a second Ctrl-C while the first unwinds: no clean-up (it is what is being interrupted), no traceback
-        _say_interrupted(script)
+        for fn in _hard_exit_calls:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 -- the process ends now whatever a clean-up does
+                pass
+        _say_interrupted(self.script)
         os._exit(EXIT_INTERRUPTED)
-    return handler
+
+
+def count_held(handler) -> None:
+    """A Ctrl-C was held (SigintDeferred) while `handler` was the SIGINT handler: when that is a run's (_Interrupts),
+    it counts as the first, so that the next Ctrl-C ends the process at once rather than raise again."""
+    if isinstance(handler, _Interrupts):
+        handler.count += 1
 
 
 def run(main, script_file: str) -> None:
@@ -74,7 +103,7 @@ def run(main, script_file: str) -> None:
     script = os.path.basename(script_file)
     debug = bool(os.environ.get("DEBUG"))
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _on_sigint(script))
+        signal.signal(signal.SIGINT, _Interrupts(script))
         # once the interpreter's own clean-up begins (atexit: workers killed, ...), a Ctrl-C changes nothing: the exit
         # is under way, and after Python resets its handlers late in that clean-up the signal would kill the process
         # instead of letting it exit with its code
@@ -107,9 +136,10 @@ def one_line(e: BaseException) -> str:
 class SigintDeferred:
     """`with SigintDeferred() as d:` a first SIGINT inside is recorded (d.pending) instead of raised, so that code
     which must not stop half-way (a checkpoint's phases, its rename, the collectives every rank must join) reaches a
-    point where it can stop cleanly and checks d.pending there. A second SIGINT goes to the handler that was there
-    before (the user insists: it stops now). Outside the main thread (no signal handler can be set there) nothing is
-    deferred and pending stays False."""
+    point where it can stop cleanly and checks d.pending there; the run's handler counts it as a first Ctrl-C. A
+    second SIGINT goes to the handler that was there before (the user insists: under a run's handler, the process
+    ends now). Outside the main thread (no signal handler can be set there) nothing is deferred and pending stays
+    False."""
 
     def __enter__(self):
         self.pending, self.installed = False, threading.current_thread() is threading.main_thread()
@@ -120,6 +150,7 @@ class SigintDeferred:
     def _handler(self, signum, frame):
         if not self.pending:
             self.pending = True
+            count_held(self.previous)  # the next Ctrl-C, in this section or after it, is a second one
             return
         signal.signal(signal.SIGINT, self.previous if self.previous is not None else signal.SIG_DFL)
         if callable(self.previous):

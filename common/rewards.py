@@ -19,12 +19,15 @@ from fractions import Fraction
 
 import torch
 
+from common import exits
 from common.data import prompt_text
 from common.dist import print0, reduce_stats
 from common.precision import TrainingFault
 from common.reward_model import (RewardModel, RewardModelField, RewardModelFlags,  # noqa: F401 (the scripts' flags)
                                   RunningMeanStd, check_reward_model)
 from workers import reward_pool
+
+exits.at_hard_exit(reward_pool.kill_now)  # a second Ctrl-C ends the process at once: its reward workers with it
 
 PLUGIN_TIMEOUT_S = 5.0  # time limit of one call of a plug-in reward (--reward module:function), as math_reward's
 PROGRESS_EVERY_S = 10.0  # score_rollout(progress=True) prints a line this often while checking

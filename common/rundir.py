@@ -3,6 +3,7 @@ checkpoints, as a script saves and resumes them (docs/checkpoints.md)."""
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 
@@ -23,6 +24,9 @@ LOCK_FILE = ".lock"
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 RUN_CONFIG_KEYS = ("exp_name", "seed", "num_steps")  # in every script's config.json (with "script" since it is kept)
+# what checkpoints/ (and an older ppo.py's critic_checkpoints/) holds: step_NNNNNN, a save in progress or cut short
+# (step_NNNNNN.tmp) and the lines a resume from an older step set aside (abandoned_<time>; docs/checkpoints.md)
+CHECKPOINT_ENTRY = re.compile(r"^(step_\d+(\.tmp)?|abandoned_[\d_-]+)$")
 
 
 def run_files(run_dir: str) -> list[str]:
@@ -35,8 +39,9 @@ def run_files(run_dir: str) -> list[str]:
 
 
 def not_a_run(run_dir: str) -> str | None:
-    """Why run_dir holds something that is not a run (a model's files, a config.json that is not a run's), or None.
-    Such a directory is never written into or cleared: --overwrite would delete what is not ours."""
+    """Why run_dir holds something that is not a run (a model's files, a config.json that is not a run's, a file
+    named as a run's that no run wrote: not_ours), or None. Such a directory is never written into or cleared:
+    --overwrite would delete what is not ours."""
     models = [name for name in MODEL_FILES if os.path.lexists(os.path.join(run_dir, name))]
     config = os.path.join(run_dir, "config.json")
     if os.path.isfile(config):
@@ -55,7 +60,43 @@ def not_a_run(run_dir: str) -> str | None:
                     + (f"; it holds {', '.join(models)}" if models else ""))
     if models:
         return f"it holds a model ({', '.join(models)})"
+    return not_ours(run_dir, data if os.path.isfile(config) else None)
+
+
+def not_ours(run_dir: str, config: dict | None) -> str | None:
+    """Why a file of run_dir named as a run's (run_files) was not written by a run of this project, or None. Each is
+    recognised by what the scripts write: checkpoints/ (critic_checkpoints/) holds their step folders only; a log
+    and a record of settings (metrics.jsonl, config_resume_*.json, ...) lie beside a run's config.json (config: its
+    contents, None without one); wandb/ beside the settings of a run that logged to it (--track). A run's files with
+    anything else among them are neither written into (they would mix) nor removed by --overwrite."""
+    tracked = bool(config and config.get("track"))
+    for name in run_files(run_dir):
+        path = os.path.join(run_dir, name)
+        if name in ("checkpoints", "critic_checkpoints"):
+            entries = sorted(os.listdir(path)) if os.path.isdir(path) and not os.path.islink(path) else None
+            if entries is None:
+                return f"its {name} is not a run's checkpoints (not a directory)"
+            odd = [e for e in entries if not CHECKPOINT_ENTRY.match(e) and not e.startswith(".")]
+            if odd:
+                return (f"its {name}/ is not a run's checkpoints (it holds {', '.join(odd[:4])}"
+                        f"{', ...' if len(odd) > 4 else ''}, not step_NNNNNN folders)")
+        elif config is None and name != "wandb":
+            return f"its {name} is not a run's (no run's config.json beside it)"
+        elif CONFIG_RESUME.match(name) and config is not None:
+            tracked = tracked or bool(_json_object(path).get("track"))
+    if "wandb" in run_files(run_dir) and not tracked:
+        return "its wandb/ is not a run's (no run's settings beside it logged to W&B, --track)"
     return None
+
+
+def _json_object(path: str) -> dict:
+    """The JSON object in path ({} for anything else)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 class RunDir:
@@ -71,7 +112,7 @@ class RunDir:
         checkpoint records."""
         self.path, self.keep_last, self.config, self.overwrite = path, infra.keep_last, config, infra.overwrite
         self.checkpoints = os.path.join(path, "checkpoints")
-        self.lock = claim_run_dir(path, infra.resume is not None, infra.overwrite)  # rank 0 holds it for the run
+        self.lock = claim_run_dir(path, infra.resume, infra.overwrite)  # rank 0 holds it for the run
         check_shared_dir(path, device)  # every rank writes its shards into the checkpoints: fail now, not at a save
         exits.progress.ckpt_root = None if infra.overwrite else self.checkpoints  # (the message on Ctrl-C)
         self.resume_dir = find_resume_dir(infra.resume, self.checkpoints) if infra.resume else None
@@ -137,15 +178,19 @@ def check_steps_left(resume_dir: str, num_steps: int) -> None:
                          f"train; give --num-steps above {step} to continue the run")
 
 
-def claim_run_dir(run_dir: str, resume: bool, overwrite: bool):
+def claim_run_dir(run_dir: str, resume: str | bool | None, overwrite: bool):
     """Collective (where a process group exists). Make run_dir, lock it and check that it holds no other run (with
     overwrite: that the run there may be removed, which clear_run_dir does once every input is checked) and nothing
-    that is not a run; ValueError, one line, on every rank otherwise (docs/faults.md). Nothing is removed here.
+    that is not a run; ValueError, one line, on every rank otherwise (docs/faults.md). Nothing is removed here, and
+    with resume "latest" (--resume latest) a run_dir that does not exist is not made: there is nothing to resume.
     Returns the lock on rank 0 (an open file: keep a reference to it for the whole run), None elsewhere."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     lock, error = None, None
     if rank == 0:
         try:
+            if resume == "latest" and not os.path.isdir(run_dir):
+                raise ValueError(f"--resume latest: --run-dir {run_dir!r} does not exist, so it holds no run to "
+                                 "resume; give the run's --run-dir, or leave out --resume to start a new run")
             lock = _lock(run_dir)
             foreign = not_a_run(run_dir)
             found = run_files(run_dir)

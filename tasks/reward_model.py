@@ -62,7 +62,8 @@ class Args:
     out_dir: str = "runs/reward_model"
     """the reward model directory to write (what --reward-model loads)"""
     overwrite: bool = False
-    """replace --out-dir if it exists (without it an existing one is refused)"""
+    """replace --out-dir if it exists and is a reward model this tool wrote (its reward_model.json); anything else,
+    or a directory that holds --base or the pairs, is refused (without it an existing --out-dir is refused)"""
     format: Literal["auto", "chat", "raw"] = "auto"
     """the input format (common/reward_model.py): 'chat' (the tokenizer's chat template around the prompt and the
     response; for RL with a chat --prompt-template), 'raw' (prompt + response + end-of-sequence; for a raw one),
@@ -455,6 +456,25 @@ def ensure_builtin_reward_model(cache: str | None = None) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------------
 
+def check_out_dir(out_dir: str, overwrite: bool, inputs: dict[str, str | None]) -> None:
+    """ValueError (one line) unless out_dir may be written: it does not exist, or --overwrite and it is a reward model
+    this tool wrote (a directory with its reward_model.json), none of whose files is one of `inputs` ({flag: path}):
+    --overwrite removes what this tool wrote, never a model or a run directory of another kind, nor its own base."""
+    from common.reward_model import INFO_FILE, read_info
+    if not os.path.lexists(out_dir):
+        return
+    if not overwrite:
+        raise ValueError(f"--out-dir {out_dir!r} exists: choose another, or --overwrite to replace it")
+    if os.path.islink(out_dir) or not os.path.isdir(out_dir) or "format" not in read_info(out_dir):
+        raise ValueError(f"--out-dir {out_dir!r} is not a reward model this tool wrote (no {INFO_FILE} in it): "
+                         "--overwrite replaces only those; give another --out-dir")
+    root = os.path.realpath(out_dir)
+    for flag, path in inputs.items():
+        if path and os.path.commonpath([root, os.path.realpath(path)]) == root:
+            raise ValueError(f"--out-dir {out_dir!r} holds {flag} {path!r}, which this training reads: --overwrite "
+                             "would delete it; give another --out-dir")
+
+
 def main(args: Args) -> dict:
     if args.builtin:
         others = [f"--{k.replace('_', '-')}" for k, v in dataclasses.asdict(args).items()
@@ -485,13 +505,13 @@ def main(args: Args) -> dict:
         raise ValueError(f"--lm-coef {args.lm_coef}: must be finite and >= 0")
     if args.max_len < 0 or not 0 <= args.eval_frac < 1:
         raise ValueError("--max-len must be >= 0 and --eval-frac in [0, 1)")
+    check_out_dir(args.out_dir, args.overwrite, {"--base": args.base, "--pairs": args.pairs,
+                                                 "--eval-pairs": args.eval_pairs})
     pairs = read_pairs(args.pairs)
     if args.eval_pairs:
         train, held = pairs, read_pairs(args.eval_pairs)
     else:
         train, held = split_by_prompt(pairs, args.eval_frac, args.seed)
-    if os.path.exists(args.out_dir) and not args.overwrite:
-        raise ValueError(f"--out-dir {args.out_dir!r} exists: choose another, or --overwrite to replace it")
     tmp = f"{os.path.abspath(args.out_dir)}.tmp{os.getpid()}"
     try:
         info = train_reward_model(args.base, train, held, tmp, args.format, args.epochs, args.batch_size,

@@ -11,8 +11,11 @@ MODE nan: every loss is NaN (a broken model or loss; in fp16, an overflow every 
      shards), weights (before model.safetensors), rename (at the fsync after the rename); save-dcp-raise: rank 0's
      DCP writer raises KeyboardInterrupt (as a Ctrl-C landing inside DCP did before saves held it); log-enospc: the
      disk is full while metrics.jsonl gets the row of step FROM_STEP (half of the row is written: a torn row);
+     save-sigint-<phase>-twice: two SIGINTs there; save-sigint-<phase>-at-exit: one there, the second in an atexit
+     callback (the clean-up at exit); reward-kill-sigint: a SIGINT as a Ctrl-C's handling kills the reward workers;
      import-timeout: a plug-in's module must import within 2 s. Exits as the script's own __main__ does
      (common/exits.py: 2, 3, 130)."""
+import atexit
 import errno
 import importlib
 import json
@@ -96,9 +99,14 @@ elif mode.startswith("save-sigint-") or mode == "save-dcp-raise":
     def armed():
         return saving["step"] >= from_step and common.checkpoint.dist.get_rank() == 0
 
+    presses = 2 if mode.endswith("-twice") else 1  # -twice: the user insists, inside the same save
+
     def ctrl_c():  # delivered before os.kill returns; Python runs the handler at the next bytecode
-        os.kill(os.getpid(), signal.SIGINT)
-    phase = mode.removeprefix("save-sigint-")
+        for _ in range(presses):
+            os.kill(os.getpid(), signal.SIGINT)
+        if mode.endswith("-at-exit"):  # the second press during the clean-up at exit (a library's atexit callback
+            atexit.register(os.kill, os.getpid(), signal.SIGINT)  # registered during the run runs before ours)
+    phase = mode.removeprefix("save-sigint-").removesuffix("-twice").removesuffix("-at-exit")
     if phase == "rng":
         write_json = common.checkpoint.write_json
         def write_json_interrupted(path, *a, **k):  # noqa: E306
@@ -145,6 +153,13 @@ elif mode == "log-enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return write_row(file, data)
     common.logger.write_row = full_disk_row
+elif mode == "reward-kill-sigint":  # a second Ctrl-C as the first one's handling kills the reward workers
+    import workers.reward_pool
+    kill_all = workers.reward_pool.kill_all
+    def kill_all_interrupted():  # noqa: E306
+        os.kill(os.getpid(), signal.SIGINT)
+        return kill_all()
+    workers.reward_pool.kill_all = kill_all_interrupted
 elif mode == "import-timeout":
     import workers.reward_pool
     workers.reward_pool.IMPORT_TIMEOUT_S = 2.0

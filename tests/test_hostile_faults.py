@@ -79,6 +79,23 @@ def test_ctrl_c_on_one_rank_during_a_save_stops_every_rank(tmp_path):
     assert checkpoints(tmp_path) == ["step_000001", "step_000002.tmp"]
 
 
+@pytest.mark.parametrize("mode", ["save-sigint-weights-at-exit", "save-sigint-weights-twice"])
+def test_a_ctrl_c_held_by_a_save_counts_as_the_first(tmp_path, mode):
+    """The first Ctrl-C lands in step 2's save (held), the second during the clean-up at exit (a library's atexit
+    callback) or in the same save. Before, the held one was not counted, so the second was taken as a first: raised
+    in the clean-up at exit, it printed `Exception ignored in atexit callback` and a KeyboardInterrupt traceback.
+    Now the second ends the process at once: exit 130, the one line, nothing after it."""
+    p = inject("grpo.py", mode, 2, tmp_path, "--num-steps", "3")
+    assert p.returncode == 130, p.stderr[-3000:]
+    err = p.stderr.splitlines()
+    said = [i for i, line in enumerate(err) if line.startswith("grpo.py:")]
+    assert [err[i] for i in said] == ["grpo.py: interrupted at step 2; resume with --resume latest (step 1)"], \
+        p.stderr[-3000:]
+    assert not [line for line in err[said[0] + 1:] if line.strip()], p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr
+    assert checkpoints(tmp_path) == ["step_000001", "step_000002.tmp"]
+
+
 def test_a_sigint_inside_a_deferred_section_waits_and_a_second_one_acts():
     code = textwrap.dedent("""
         import os, signal
@@ -154,6 +171,43 @@ def test_a_second_ctrl_c_while_rewards_are_checked_changes_nothing(tmp_path):
     assert not [line for line in err[said[0] + 1:] if line.strip()], p.stderr[-3000:]  # nothing after the line
     assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr
     assert err[said[0]].startswith("grpo.py: interrupted at step 1, before the run's first checkpoint")
+
+
+# A plug-in reward whose first call sends the training process a Ctrl-C and then waits, in its worker, until that
+# process is gone (a pidfd: never a process that took the pid over); a second Ctrl-C comes as the first one's handling
+# kills the reward workers (tests/fault_injection.py reward-kill-sigint). No step of it depends on timing.
+OUTLIVES = '''
+import os, select, signal
+def score(response, answer):
+    try:
+        os.close(os.open(os.environ["CTRL_C_MARK"], os.O_CREAT | os.O_EXCL))  # the first call only
+    except FileExistsError:
+        return 1.0
+    trainer = os.pidfd_open(os.getppid())
+    os.kill(os.getppid(), signal.SIGINT)
+    select.select([trainer], [], [], 60)
+    return 1.0
+'''
+
+
+def test_a_second_ctrl_c_while_the_workers_are_killed_ends_them_too(tmp_path):
+    """Before: the second Ctrl-C ended the training process before it had killed its reward workers; the worker of
+    the check in flight answered into the closed pipe and printed a BrokenPipeError traceback after the run's last
+    line (seconds later, in a real run: when the check ended). Now the process kills them as it ends (and a worker
+    that finds its trainer gone exits quietly)."""
+    (tmp_path / "outlives.py").write_text(OUTLIVES)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "fault_injection.py"), "grpo.py",
+                        "reward-kill-sigint", "1", "--run-dir", str(tmp_path / "run"), *SMALL, "--num-steps", "2",
+                        "--reward", "outlives:score"], cwd=tmp_path,
+                       env={**ENV, "CTRL_C_MARK": str(tmp_path / "mark")}, capture_output=True, text=True,
+                       timeout=600)  # (until every holder of its stderr, the workers too, is gone)
+    assert p.returncode == 130, p.stderr[-3000:]
+    assert (tmp_path / "mark").exists()
+    err = p.stderr.splitlines()
+    said = [i for i, line in enumerate(err) if line.startswith("grpo.py:")]
+    assert len(said) == 1 and err[said[0]].startswith("grpo.py: interrupted at step 1,"), p.stderr[-3000:]
+    assert not [line for line in err[said[0] + 1:] if line.strip()], p.stderr[-3000:]  # nothing after the line
+    assert "Traceback" not in p.stderr and "BrokenPipeError" not in p.stderr
 
 
 # ---------------------------------------------------------------------------------------------------------------

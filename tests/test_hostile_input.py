@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -146,6 +147,111 @@ def test_what_is_not_a_run(tmp_path, tiny_model_dir):
     assert "holds a model (model.safetensors)" in not_a_run(str(tmp_path))
 
 
+def foreign_checkpoints_and_wandb(path, tiny_model_dir):
+    """A directory of another tool: a Hugging Face model in its checkpoints/, and its own wandb/."""
+    shutil.copytree(tiny_model_dir, str(path / "checkpoints"))
+    os.makedirs(path / "wandb" / "run-20261126_101010-abc")
+    (path / "wandb" / "run-20261126_101010-abc" / "run-abc.wandb").write_bytes(b"not ours")
+    return str(path)
+
+
+def test_what_is_a_run_of_this_project(tmp_path, tiny_model_dir):
+    """A run's files are recognised by what the scripts write; files named like a run's but not written by one make
+    the directory not a run's. Before, any checkpoints/, wandb/ or metrics.jsonl was "another run", and --overwrite
+    deleted it."""
+    from common.rundir import not_a_run
+    other = foreign_checkpoints_and_wandb(tmp_path / "other", tiny_model_dir)
+    assert "its checkpoints/ is not a run's checkpoints (it holds config.json, generation_config.json" in \
+        not_a_run(other)
+    shutil.rmtree(os.path.join(other, "checkpoints"))
+    assert "its wandb/ is not a run's" in not_a_run(other)
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')  # another tool's log
+    assert not_a_run(str(lone)) == "its metrics.jsonl is not a run's (no run's config.json beside it)"
+    run = tmp_path / "run"
+    os.makedirs(run / "checkpoints" / "step_000002")
+    os.makedirs(run / "checkpoints" / "step_000003.tmp")
+    os.makedirs(run / "checkpoints" / "abandoned_20261127-101010_2")
+    (run / "config.json").write_text(json.dumps({"script": "grpo.py", "seed": 1, "track": False}))
+    (run / "metrics.jsonl").write_text('{"step": 2}\n')
+    assert not_a_run(str(run)) is None
+    os.makedirs(run / "wandb")  # logged to W&B only since a resume (--track), which its record says
+    assert "its wandb/ is not a run's" in not_a_run(str(run))
+    (run / "config_resume_000002.json").write_text(json.dumps({"script": "grpo.py", "seed": 1, "track": True}))
+    assert not_a_run(str(run)) is None
+    (run / "checkpoints" / "notes.txt").write_text("mine")
+    assert "(it holds notes.txt, not step_NNNNNN folders)" in not_a_run(str(run))
+
+
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_a_directory_with_another_tools_checkpoints_and_wandb_is_refused_and_untouched(overwrite, tmp_path,
+                                                                                       tiny_model_dir, process_group):
+    """Before: called "another run" (--resume latest suggested), and --overwrite deleted its checkpoints/ (a model)
+    and wandb/."""
+    other = foreign_checkpoints_and_wandb(tmp_path / "other", tiny_model_dir)
+    before = files(other)
+    refused("grpo.py", "--run-dir", other, *B, "--num-steps", "1", *(["--overwrite"] if overwrite else []),
+            match="its checkpoints/ is not a run's checkpoints")
+    assert files(other) == before
+
+
+def test_a_lone_metrics_log_of_another_tool_is_refused_and_untouched(tmp_path, process_group):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    refused("grpo.py", "--run-dir", str(tmp_path), *B, "--num-steps", "1", "--overwrite",
+            match="its metrics.jsonl is not a run's (no run's config.json beside it)")
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 0.5}\n'
+
+
+def test_overwrite_removes_a_runs_files_and_only_them(tmp_path):
+    from common.rundir import LOCK_FILE, claim_run_dir, clear_run_dir
+    run = tmp_path / "run"
+    os.makedirs(run / "checkpoints" / "step_000002")
+    os.makedirs(run / "checkpoints" / "abandoned_20261127-101010")
+    os.makedirs(run / "wandb" / "run-1")
+    (run / "config.json").write_text(json.dumps({"script": "ppo.py", "seed": 1, "track": True}))
+    (run / "metrics.jsonl").write_text('{"step": 2}\n')
+    (run / "train.log").write_text("a log teed here\n")
+    lock = claim_run_dir(str(run), None, overwrite=True)
+    clear_run_dir(str(run))
+    lock.close()
+    assert sorted(os.listdir(run)) == [LOCK_FILE, "train.log"]
+
+
+def test_reward_model_overwrite_replaces_only_a_reward_model_it_wrote(tmp_path, tiny_model_dir):
+    """Before: `python -m tasks.reward_model --out-dir X --overwrite` deleted X whatever it was: an RL run's
+    directory, or the reward model given as --base (it replaced its own base)."""
+    from tasks.reward_model import Args, main as train_rm
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "1+1=", "chosen": "2", "rejected": "3"}) + "\n")
+    run = tmp_path / "run"  # an RL run's directory
+    os.makedirs(run / "checkpoints" / "step_000001")
+    (run / "config.json").write_text(json.dumps({"script": "grpo.py", "seed": 1}))
+    rm = shutil.copytree(tiny_model_dir, str(tmp_path / "rm"))  # a reward model this tool wrote
+    (tmp_path / "rm" / "reward_model.json").write_text(json.dumps({"format": "raw", "base": tiny_model_dir}))
+    for out_dir, base, said in [(str(run), tiny_model_dir, "is not a reward model this tool wrote"),
+                                (tiny_model_dir, tiny_model_dir, "is not a reward model this tool wrote"),
+                                (rm, rm, f"holds --base {rm!r}, which this training reads")]:
+        before = files(out_dir)
+        with pytest.raises(ValueError, match=re.escape(said)):
+            train_rm(Args(base=base, pairs=str(pairs), out_dir=out_dir, overwrite=True))
+        assert files(out_dir) == before
+
+
+def test_resume_latest_of_a_directory_that_does_not_exist_does_not_make_it(tmp_path, process_group):
+    """Before: the directory was made (with its lock file) before the resume found no checkpoint in it."""
+    refused("grpo.py", "--run-dir", str(tmp_path / "typo"), *B, "--num-steps", "1", "--resume", "latest",
+            match=f"--resume latest: --run-dir {str(tmp_path / 'typo')!r} does not exist")
+    assert not os.path.exists(tmp_path / "typo")
+
+
+def test_an_empty_run_dir_is_refused():
+    """Before: --run-dir '' silently meant the default, runs/<exp_name>_<seed>."""
+    import grpo
+    with pytest.raises(ValueError, match="--run-dir '': an empty path"):
+        grpo.validate(grpo.parse_args(["--run-dir", ""]), 1)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 3. a resume with other settings
 
@@ -209,6 +315,50 @@ def test_accept_changes_continues_on_purpose_and_the_change_sticks(old_run, caps
             match="group_size 2 -> 4")
     main("grpo.py", "--run-dir", old_run, *B, "--num-steps", "4", "--resume", "latest", "--group-size", "2")
     assert json.load(open(os.path.join(old_run, "config_resume_000003.json")))["group_size"] == 2
+
+
+def test_resume_with_another_lr_trains_at_it_and_saves_it(finished_run, tmp_path):
+    """Before: the optimizer state loaded from the checkpoint brought the checkpoint's lr back, so a resume with --lr
+    was said and logged but trained at the old rate (every number bit-identical to a resume without the flag) and the
+    next checkpoint saved the old rate. Step 3 from the same state and batch: AdamW's step (the moments' direction
+    plus the decay) is proportional to the lr, so ten times the lr moves the weights ten times as far."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    before = load_file(os.path.join(finished_run, "checkpoints", "step_000002", "model.safetensors"))
+    moved, saved = {}, {}
+    for lr in (5e-4, 5e-3):  # the run's own lr (5e-4, the built-in preset's), then ten times it
+        run_dir = shutil.copytree(finished_run, str(tmp_path / f"lr{lr:g}"))
+        main("grpo.py", "--run-dir", run_dir, *B, "--num-steps", "3", "--resume", "latest", "--lr", str(lr))
+        ckpt = os.path.join(run_dir, "checkpoints", "step_000003")
+        after = load_file(os.path.join(ckpt, "model.safetensors"))
+        moved[lr] = torch.cat([(after[k] - before[k]).flatten() for k in before]).norm().item()
+        dcp_to_torch_save(os.path.join(ckpt, "optimizer"), str(tmp_path / "optimizer.pt"))
+        groups = torch.load(str(tmp_path / "optimizer.pt"), weights_only=True)["optimizer"]["param_groups"]
+        saved[lr] = {group["lr"] for group in groups}
+    assert 9 < moved[5e-3] / moved[5e-4] < 11, moved
+    assert saved == {5e-4: {5e-4}, 5e-3: {5e-3}}  # what the next resume starts from
+
+
+def test_a_loaded_optimizer_state_keeps_this_runs_settings(tmp_path, tiny_model_dir, process_group):
+    """What the resume of every part does (ppo.py's critic and its --critic-lr too, common/checkpoint.py): the
+    checkpoint's AdamW moments and step counts, this run's lr, betas and weight decay."""
+    from transformers import AutoTokenizer
+    from common.checkpoint import load_training_state, rng_state, save_checkpoint
+    from common.fsdp import load_policy
+    _, _, device = process_group
+    model = load_policy(tiny_model_dir, torch.float32, device, gradient_checkpointing=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    ckpt = save_checkpoint(str(tmp_path / "checkpoints"), 1, AutoTokenizer.from_pretrained(tiny_model_dir),
+                           {"": (model, optimizer, {})}, rng_state())
+    saved = [s["exp_avg"].full_tensor().clone() for s in optimizer.state.values()]
+    model.zero_grad(set_to_none=True)  # (as in a resumed run's fresh model)
+    resumed = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.8, 0.9), weight_decay=0.1)
+    load_training_state(ckpt, model, resumed)
+    assert [(g["lr"], g["betas"], g["weight_decay"]) for g in resumed.param_groups] == [(1e-4, (0.8, 0.9), 0.1)]
+    assert all(torch.equal(s["exp_avg"].full_tensor(), m) for s, m in zip(resumed.state.values(), saved, strict=True))
 
 
 def test_accept_changes_goes_with_resume():

@@ -123,9 +123,9 @@ def _start_worker() -> subprocess.Popen:
 
 
 def _kill(proc: subprocess.Popen) -> None:
+    proc.kill()  # (before it leaves _live: a worker in _live is never one kill_now would miss)
     with _live_lock:
         _live.discard(proc)
-    proc.kill()
     proc.wait()
     _close_pipes(proc)
 
@@ -150,6 +150,18 @@ def kill_all() -> None:
             _idle.get_nowait()
         except queue.Empty:
             break
+
+
+def kill_now() -> None:
+    """SIGKILL every worker, without a lock or a wait: for a process that ends at once (a second Ctrl-C, which may
+    have interrupted kill_all itself, holding its lock). Otherwise a worker in the middle of a check would outlive
+    the trainer and print a BrokenPipeError when it answers. (A worker in _live has not been waited for: its pid is
+    still its own.)"""
+    for proc in _live.copy():  # (one call under the GIL: no other thread changes the set half-way)
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _forget_workers() -> None:
@@ -327,8 +339,11 @@ def _worker_main() -> None:
             reply = "timeout"
         except BaseException:  # MemoryError, any math-verify/sympy error: not equal
             reply = "0"
-        out.write(reply + "\n")
-        out.flush()
+        try:
+            out.write(reply + "\n")
+            out.flush()
+        except BrokenPipeError:  # the trainer is gone (killed, or ended at once): nobody to answer, nothing to say
+            os._exit(0)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
