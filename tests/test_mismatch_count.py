@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from common.metrics import StepStats, mismatch
+from conftest import SCRIPTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["grpo.py", "pg_is.py", "gspo.py", "ppo.py", "cispo.py"]
 
 
 def test_the_count_sees_differences_that_kl_k3_rounds_to_zero():
