@@ -216,6 +216,8 @@ def validate(args, world_size: int, **ranges) -> None:
         raise ValueError("--overwrite removes the run that --resume would continue: give one or the other")
     if infra.accept_changes and infra.resume is None:
         raise ValueError("--accept-changes accepts changed settings of a resumed run: it goes with --resume")
+    if not infra.exact and infra.exact_check_every != Infra.exact_check_every:
+        raise ValueError("--exact-check-every goes with --exact (without it the recompute runs every step)")
     if infra.exact:  # refused here, before a model loads, where exact mode is not supported
         train, rollout = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
         plan_for_run(args.model, train_precision=precision_name(train), rollout_precision=precision_name(rollout),

@@ -72,6 +72,15 @@ def test_unsupported_is_refused_in_one_line_saying_what_is_supported(change, con
     assert says in msg and msg.endswith(SUPPORTED) and "\n" not in msg, msg
 
 
+def test_exact_check_every_goes_with_exact():
+    import grpo
+    with pytest.raises(ValueError, match="--exact-check-every goes with --exact"):
+        grpo.validate(grpo.parse_args(["--exact-check-every", "3"]), 1)
+    with pytest.raises(ValueError, match="--exact-check-every 0: must be at least 1"):
+        grpo.validate(grpo.parse_args(["--exact", "--exact-check-every", "0"]), 1)
+    grpo.validate(grpo.parse_args([]), 1)  # the default without --exact
+
+
 def test_grpo_refuses_exact_before_loading_a_model(tmp_path):
     """grpo.py --exact where it cannot run (here: the fallback sampler): one line on stderr, exit status 2."""
     p = subprocess.run([sys.executable, "grpo.py", "--exact", "--sampler", "hf", "--num-steps", "1",
