@@ -2,12 +2,16 @@
 with one marked line added is run by the tests that take the discovered list of scripts (conftest.SCRIPTS) and is
 taken by sanity/run_sanity.py --algorithms, with no list edited. A selection of those tests runs (the in-process
 checks of the command line and one subprocess), on my_algo.py, and each of their functions that runs on grpo.py runs
-on it too."""
+on it too. Every script has its section in docs/algorithms.md."""
 import os
 import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+
+import pytest
+
+from conftest import SCRIPTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -50,6 +54,16 @@ def ran(junit_xml: str) -> dict[str, str]:
 def function(test_id: str) -> str:
     """tests.test_x::test_y[params] -> tests.test_x::test_y"""
     return test_id.split("[")[0]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_script_has_its_section_in_the_algorithms_page(name):
+    """A script's math is written down (docs/forking.md, step 3): docs/algorithms.md has a section `## NAME.py: ...`
+    and the contents line links it."""
+    with open(os.path.join(ROOT, "docs", "algorithms.md"), encoding="utf-8") as f:
+        text = f.read()
+    assert f"\n## {name}: " in text, f"docs/algorithms.md has no section '## {name}: ...'"
+    assert f"[{name}](#{name.replace('.', '')}" in text.split("\n## ")[0]
 
 
 def test_a_copy_of_grpo_is_in_the_tests_and_the_sanity_run(tmp_path):
