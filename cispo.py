@@ -158,10 +158,17 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return cli.parse(Args, BUILTIN, argv)
 
 
+# the advantages' baseline is the group's mean reward: a group of one has no learning signal (a fork with another
+# baseline, as ppo.py's critic, drops this rule)
+GROUP_SIZE = (lambda x: x >= 2, "at least 2: the advantages' baseline is the group's mean reward, so a group of one "
+              "has no learning signal")
+
+
 def validate(args: Args, world_size: int) -> None:
     """Everything that can be checked before a model is loaded: the flags every script shares (common/cli.py), then
     this script's."""
-    cli.validate(args, world_size, eps_low=(lambda x: 0 <= x <= 1, "in [0, 1] (1: no lower bound)"))  # CISPO: 1 allowed
+    cli.validate(args, world_size, group_size=GROUP_SIZE,
+                 eps_low=(lambda x: 0 <= x <= 1, "in [0, 1] (1: no lower bound)"))  # CISPO: 1 allowed
     args.corrections.check(args.old_logp)
 
 

@@ -349,8 +349,8 @@ def validate(args: Args, world_size: int) -> None:
     """Everything that can be checked before a model is loaded: the flags every script shares (common/cli.py), then
     this script's."""
     positive = (lambda x: math.isfinite(x) and x > 0, "finite and > 0")  # PPO
-    cli.validate(args, world_size, group_size=(lambda x: x >= 1, "at least 1"),  # PPO: the baseline is the critic's
-                 critic_lr=positive, value_clip=positive, gamma=(lambda x: 0 <= x <= 1, "in [0, 1]"),
+    # PPO: no group-size rule (common's at least 1): the baseline is the critic's value, one response per prompt is PPO
+    cli.validate(args, world_size, critic_lr=positive, value_clip=positive, gamma=(lambda x: 0 <= x <= 1, "in [0, 1]"),
                  lam=(lambda x: 0 <= x <= 1, "in [0, 1]"))  # PPO
     args.corrections.check(args.old_logp)
     if "opsm" in args.corrections.is_reject:  # PPO

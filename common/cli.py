@@ -147,15 +147,15 @@ def _finite(x):
 
 
 # (valid(value), what is valid) of every flag that more than one script has; a script's own flags, and another range
-# for a shared one, go to check_ranges from its validate
+# for a shared one, go to check_ranges from its validate (an algorithm's rule too: --group-size at least 2 where the
+# baseline is the group's mean is in the scripts that have that baseline)
 RANGES = {
     **{name: (lambda x: x >= 1, "at least 1") for name in (
-        "num_steps", "num_prompts", "num_minibatches", "micro_batch_tokens", "max_prompt_len", "max_response_len",
-        "sampler_batch_size", "vllm_tp", "logprob_chunk", "kl_baseline_steps", "eval_k", "exact_check_every")},
+        "num_steps", "num_prompts", "group_size", "num_minibatches", "micro_batch_tokens", "max_prompt_len",
+        "max_response_len", "sampler_batch_size", "vllm_tp", "logprob_chunk", "kl_baseline_steps", "eval_k",
+        "exact_check_every")},
     **{name: (lambda x: x >= 0, "at least 0") for name in (
         "seed", "max_skipped_steps", "eval_every", "eval_max_problems", "save_every", "keep_last")},
-    "group_size": (lambda x: x >= 2, "at least 2: the advantages' baseline is the group's mean reward, so a group of "
-                   "one has no learning signal"),
     "temperature": (lambda x: _finite(x) and x > 0, "finite and > 0"),
     "lr": (lambda x: _finite(x) and x > 0, "finite and > 0"),
     "adam_betas": (lambda b: all(0 <= x < 1 for x in b), "two numbers in [0, 1)"),

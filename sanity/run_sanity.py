@@ -43,12 +43,21 @@ if ROOT not in sys.path:  # `python sanity/run_sanity.py` from anywhere
 
 
 from common.cli import config_changes, parse
+from common.scripts import algorithm_scripts
 from sanity.report import fmt, md_table, pass_check, plot_curves, read_metrics
 
-Algorithm = Literal["grpo", "grpo_token_tis", "grpo_seq_mis", "pg_is", "gspo", "ppo"]
-# a configuration -> (its script, the flags that make it): the study's grid has three GRPO modes
+# a configuration other than a script's defaults -> (its script, the flags that make it): the study's grid has three
+# GRPO modes
 CONFIGS = {"grpo_token_tis": ("grpo", ["--is-correction", "token-tis"]),
            "grpo_seq_mis": ("grpo", ["--is-correction", "seq-mis"])}
+
+
+def configurations(root: str = ROOT) -> list[str]:
+    """What --algorithms takes: every algorithm script of the checkout by its name without .py (common/scripts.py:
+    a fork is one of them once its file exists), then the CONFIGS."""
+    return [s.removesuffix(".py") for s in algorithm_scripts(root)] + list(CONFIGS)
+
+
 Precision = Literal["fp16", "bf16", "fp32"]
 
 
@@ -62,8 +71,9 @@ class Args:
     """local Hugging Face model directory (default: the built-in task's warm-started model), for every step"""
     dataset: str | None = None
     """the problem pool of the perfectible set (default: the built-in training set)"""
-    algorithms: tuple[Algorithm, ...] = ("grpo", "pg_is", "gspo", "ppo")
-    """the configurations to run: an algorithm script, or grpo_token_tis / grpo_seq_mis (grpo.py with
+    algorithms: tuple[str, ...] = ("grpo", "pg_is", "gspo", "ppo")
+    """the configurations to run: any algorithm script of the repository by its name (a top-level .py that defines
+    main and parse_args: grpo, pg_is, gspo, ppo, cispo, a fork), or grpo_token_tis / grpo_seq_mis (grpo.py with
     --is-correction token-tis / seq-mis), e.g. the study's grid: grpo grpo_token_tis grpo_seq_mis pg_is gspo ppo"""
     precisions: tuple[Precision, ...] = ("fp32", "fp16", "bf16")
     """the precisions to run each algorithm at (--precision of the scripts: both sides)"""
@@ -130,12 +140,11 @@ def split(s: str) -> list[str]:
 
 
 def algo_args(args: Args) -> dict[str, list[str]]:
-    out = {}
+    out, known = {}, configurations()
     for item in args.algo_args:
         algo, sep, rest = item.partition("=")
-        if not sep or algo not in Algorithm.__args__:
-            raise ValueError(f"--algo-args {item!r}: expected ALGO=ARGS with ALGO one of "
-                             f"{', '.join(Algorithm.__args__)}")
+        if not sep or algo not in known:
+            raise ValueError(f"--algo-args {item!r}: expected ALGO=ARGS with ALGO one of {', '.join(known)}")
         out[algo] = out.get(algo, []) + split(rest)
     return out
 
@@ -251,11 +260,20 @@ def get_verdict(results: list[dict], must_pass_precisions, analysis_ok: bool = T
     return verdict
 
 
+def curve_colors(algorithms: list[str]) -> dict[str, str]:
+    """A color per configuration in the curves: the study's own, and for any other (a fork) the next unused one."""
+    colors = {"grpo": "tab:blue", "grpo_token_tis": "tab:purple", "grpo_seq_mis": "tab:brown", "pg_is": "tab:orange",
+              "gspo": "tab:green", "ppo": "tab:red", "cispo": "tab:cyan"}
+    others = ["tab:pink", "tab:olive", "tab:gray", "black"]
+    for i, algo in enumerate(a for a in dict.fromkeys(algorithms) if a not in colors):
+        colors[algo] = others[i % len(others)]
+    return colors
+
+
 def write_report(args: Args, argv: list[str], results: list[dict], hist: dict, verdict: str, out: str) -> None:
     """report.md (with curves.png) in the output directory."""
     from sanity.mismatch_analysis import analysis_markdown
-    colors = {"grpo": "tab:blue", "grpo_token_tis": "tab:purple", "grpo_seq_mis": "tab:brown", "pg_is": "tab:orange",
-              "gspo": "tab:green", "ppo": "tab:red"}
+    colors = curve_colors([r["algorithm"] for r in results])
     dashes = {"fp32": ":", "fp16": "-", "bf16": "--"}
     series, styles = [], {}
     for r in results:
@@ -316,6 +334,11 @@ def parse_args(argv: list[str] | None = None) -> Args:
 def validate(args: Args) -> None:
     if not args.algorithms or not args.precisions:
         raise ValueError("give at least one algorithm and one precision")
+    known = configurations()
+    unknown = [a for a in args.algorithms if a not in known]
+    if unknown:
+        raise ValueError(f"--algorithms {' '.join(unknown)}: no such algorithm script (a top-level .py defining main "
+                         f"and parse_args) or configuration; there are {', '.join(known)}")
     if args.num_steps < args.window or args.window < 1:
         raise ValueError(f"need 1 <= --window <= --num-steps, got window {args.window}, num-steps {args.num_steps}")
     if not 0 < args.threshold <= 1:

@@ -1,6 +1,5 @@
 """Shared fixtures: a tiny randomly initialised Qwen2 model with a character tokenizer, built in a temp dir (no
 downloads), and a process group of one for code that needs one (FSDP2, reductions); SCRIPTS, the algorithm scripts."""
-import ast
 import os
 import sys
 
@@ -11,24 +10,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from common.scripts import algorithm_scripts  # noqa: E402  (after the path: the tests run from any directory)
 
-def algorithm_scripts(root: str = ROOT) -> list[str]:
-    """The algorithm scripts: every .py file at the top of the repository that defines both main() and parse_args(),
-    read from its syntax tree (not imported), sorted by name. A new sibling is then in every test that runs them."""
-    found = []
-    for name in sorted(os.listdir(root)):
-        path = os.path.join(root, name)
-        if not (name.endswith(".py") and os.path.isfile(path)):
-            continue
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename=name)
-        defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
-        if {"main", "parse_args"} <= defined:
-            found.append(name)
-    return found
-
-
-SCRIPTS = algorithm_scripts()  # the one list of the algorithm scripts that tests run
+SCRIPTS = algorithm_scripts(ROOT)  # the one list of the algorithm scripts that tests run (common/scripts.py)
 
 
 def pytest_configure(config):

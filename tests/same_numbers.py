@@ -2,7 +2,7 @@
 scripts can be checked to train the same and log the same, on any machine:
 
     python tests/same_numbers.py run OUT_JSON RECORDED SCRIPT [script args...]   # one run, its digest into OUT_JSON
-    python tests/same_numbers.py record                                          # every case of CASES into REFERENCE
+    python tests/same_numbers.py record [NAME ...]    # every case of CASES (or those named) into REFERENCE
 
 Nothing that the test compares exactly may come from something built or trained on the machine, where another CPU
 family rounds otherwise (the built-in task's model is trained at first use, so its weights and every token sampled
@@ -219,15 +219,29 @@ def run_case(name: str, script: str, flags: list[str], workdir: str, recorded: l
         return json.load(f)
 
 
+def record(names: list[str], reference: str, workdir: str) -> None:
+    """Record the cases named (all of CASES when none is) into the reference file. Naming some (a new case, a
+    fork's) keeps the others' recordings as they are."""
+    unknown = sorted(set(names) - {c[0] for c in CASES})
+    if unknown:
+        raise SystemExit(f"no such case: {' '.join(unknown)} (CASES: {' '.join(c[0] for c in CASES)})")
+    ref = {}
+    if names and os.path.exists(reference):
+        with open(reference) as f:
+            ref = json.load(f)
+    ref.update({name: run_case(name, script, flags, workdir) for name, script, flags in CASES
+                if name in (names or [name])})
+    os.makedirs(os.path.dirname(reference), exist_ok=True)
+    with open(reference, "w") as f:
+        json.dump(ref, f, indent=1)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "run":
         run(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
     elif sys.argv[1] == "record":
         with tempfile.TemporaryDirectory() as d:
-            ref = {name: run_case(name, script, flags, d) for name, script, flags in CASES}
-        os.makedirs(os.path.dirname(REFERENCE), exist_ok=True)
-        with open(REFERENCE, "w") as f:
-            json.dump(ref, f, indent=1)
+            record(sys.argv[2:], REFERENCE, d)
         print(f"wrote {REFERENCE}")
     else:
         raise SystemExit(__doc__)

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from common import rewards
-from common.cli import Infra
+from common.cli import RANGES, Infra, check_ranges
 from common.preflight import check_model_dir
 from common.rewards import evaluate
 from common.rewards import score_rollout
@@ -23,7 +23,6 @@ from conftest import SCRIPTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-GROUP_BASELINE = ["grpo.py", "pg_is.py", "gspo.py", "cispo.py"]  # their advantage is the reward minus the group's mean
 SMALL = ["--num-prompts", "8", "--group-size", "4", "--num-minibatches", "2", "--eval-every", "0", "--save-every",
          "0"]
 
@@ -83,8 +82,7 @@ PPO = [(["--critic-lr", "0"], "--critic-lr"), (["--gamma", "1.5"], "--gamma"), (
        (["--is-reject", "opsm"], "--is-reject")]  # opsm needs one advantage per sequence
 CASES = ([(s, *case) for s in SCRIPTS for case in BAD_VALUES]
          + [(s, *case) for s in ("grpo.py", "gspo.py", "ppo.py") for case in CLIP]
-         + [("ppo.py", *case) for case in PPO] + [("cispo.py", *case) for case in CISPO_CLIP]
-         + [(s, ["--group-size", "1"], "--group-size") for s in GROUP_BASELINE])
+         + [("ppo.py", *case) for case in PPO] + [("cispo.py", *case) for case in CISPO_CLIP])
 
 
 @pytest.mark.parametrize("name,flags,flag", CASES, ids=[f"{c[0]}:{' '.join(c[1])}" for c in CASES])
@@ -103,6 +101,27 @@ def test_defaults_pass_validate(name, tiny_model_dir):
     m.validate(m.parse_args(["--model", tiny_model_dir]), 1)  # the study's defaults
     m.validate(m.parse_args(["--eval-temperature", "0", "--max-skipped-steps", "0", "--kl-warn-factor", "0",
                              "--eval-every", "0", "--save-every", "0", "--keep-last", "0", "--seed", "0"]), 1)
+
+
+def test_shared_checks_take_a_group_of_one():
+    """common/cli.py asks only for a group of at least 1: that a group's mean is the baseline is an algorithm's rule,
+    which a script with that baseline adds (GROUP_SIZE) and a fork with another baseline leaves out."""
+    check_ranges(script("grpo.py").parse_args(["--group-size", "1"]), RANGES)
+    with pytest.raises(ValueError, match="--group-size 0: must be at least 1"):
+        check_ranges(script("grpo.py").parse_args(["--group-size", "0"]), RANGES)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_group_of_one_refused_where_the_script_says_so(name):
+    """A script whose baseline is the group's mean says so in GROUP_SIZE, and its validate refuses a group of one
+    with that reason; a script without it (ppo.py: the critic's value) takes one."""
+    m = script(name)
+    args = m.parse_args(["--group-size", "1"])
+    if hasattr(m, "GROUP_SIZE"):
+        with pytest.raises(ValueError, match="--group-size 1: must be " + re.escape(m.GROUP_SIZE[1])):
+            m.validate(args, 1)
+    else:
+        m.validate(args, 1)
 
 
 def test_ppo_takes_a_group_of_one():

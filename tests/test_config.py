@@ -5,12 +5,14 @@ import importlib
 import pytest
 
 from common.cli import config_changes
+from conftest import SCRIPTS
 
-SCRIPTS = ["grpo", "pg_is", "gspo", "ppo", "cispo", "sanity.build_perfectible", "sanity.mismatch_analysis",
-           "sanity.run_sanity"]
+# every algorithm script (conftest.SCRIPTS) and the sanity tools, which have a BUILTIN preset too
+MODULES = [s.removesuffix(".py") for s in SCRIPTS] + ["sanity.build_perfectible", "sanity.mismatch_analysis",
+                                                     "sanity.run_sanity"]
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("name", MODULES)
 def test_preset_without_model_and_study_defaults_with_one(name):
     m = importlib.import_module(name)
     field, value = next(iter(m.BUILTIN.items()))

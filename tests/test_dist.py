@@ -6,6 +6,7 @@ import importlib
 import pytest
 
 from common.dist import backend_for
+from conftest import SCRIPTS
 
 
 def test_backend_gloo_only_where_cpu_tensors_are_reduced():
@@ -18,7 +19,7 @@ class Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("script", ["grpo", "pg_is", "gspo", "ppo"])
+@pytest.mark.parametrize("script", [s.removesuffix(".py") for s in SCRIPTS])
 @pytest.mark.parametrize("offload", [False, True])
 def test_scripts_ask_for_gloo_only_with_cpu_offload(monkeypatch, script, offload):
     """Each script passes --cpu-offload to setup_distributed (stopped there: nothing is loaded)."""

@@ -45,8 +45,35 @@ def close(got: float, want: float, tol: float) -> bool:
     return got == want or (math.isfinite(got) and math.isfinite(want) and abs(got - want) <= tol)
 
 
+def test_record_named_cases_keeps_the_others(tmp_path, monkeypatch):
+    """`record NAME`, as for a fork's new case, records that case and leaves the others' recordings as they were;
+    `record` alone records every case anew; an unknown name is refused before anything runs."""
+    import same_numbers
+    ran = []
+    monkeypatch.setattr(same_numbers, "run_case",
+                        lambda name, script, flags, workdir: ran.append(name) or {"new": name})
+    reference = str(tmp_path / "data" / "ref.json")
+    same_numbers.record([CASES[1][0]], reference, str(tmp_path))  # no file yet: the one case
+    with open(reference) as f:
+        assert json.load(f) == {CASES[1][0]: {"new": CASES[1][0]}}
+    with open(reference, "w") as f:
+        json.dump({"old_case": {"kept": 1}, CASES[1][0]: {"stale": 1}}, f)
+    same_numbers.record([CASES[1][0]], reference, str(tmp_path))
+    with open(reference) as f:
+        assert json.load(f) == {"old_case": {"kept": 1}, CASES[1][0]: {"new": CASES[1][0]}}
+    ran.clear()
+    same_numbers.record([], reference, str(tmp_path))
+    with open(reference) as f:
+        assert json.load(f) == {c[0]: {"new": c[0]} for c in CASES} and ran == [c[0] for c in CASES]
+    ran.clear()
+    with pytest.raises(SystemExit, match="no such case: my_algo"):
+        same_numbers.record(["my_algo"], reference, str(tmp_path))
+    assert ran == []
+
+
 @pytest.mark.parametrize("name,script,flags", CASES, ids=[c[0] for c in CASES])
 def test_same_numbers_as_recorded(name, script, flags, tmp_path):
+    assert name in REF, f"{name}: not recorded; record it with: python tests/same_numbers.py record {name}"
     ref = REF[name]
     got = run_case(name, script, flags, str(tmp_path), recorded=ref["sampled"])
     assert got["sampled"] == ref["sampled"], "other prompts or responses"

@@ -148,6 +148,30 @@ def test_verdict():
     assert get_verdict([r("grpo", "fp16", "pass")], ("fp16",), analysis_ok=False).startswith("FAIL")
 
 
+def test_algorithms_are_the_scripts_of_the_tree(tmp_path):
+    """--algorithms takes every algorithm script read from the tree (cispo.py too, and a fork once its file exists)
+    and the CONFIGS; an unknown name is refused in one line that lists what exists."""
+    from conftest import SCRIPTS
+    from sanity.run_sanity import CONFIGS, configurations, parse_args, validate
+    names = [s.removesuffix(".py") for s in SCRIPTS]
+    assert "cispo" in names and configurations() == names + list(CONFIGS)
+    validate(parse_args(["--algorithms", *configurations()]))
+    with pytest.raises(ValueError) as e:
+        validate(parse_args(["--algorithms", "grpo", "sac"]))
+    message = str(e.value)
+    assert message.startswith("--algorithms sac: no such algorithm script") and "\n" not in message
+    assert all(name in message for name in configurations())
+    (tmp_path / "my_algo.py").write_text("def parse_args(argv=None):\n    pass\n\n\ndef main(args):\n    pass\n")
+    assert configurations(str(tmp_path)) == ["my_algo", *CONFIGS]
+
+
+def test_curve_colors_for_any_configuration():
+    from sanity.run_sanity import curve_colors
+    colors = curve_colors(["grpo", "my_algo", "cispo", "other_algo", "my_algo"])
+    assert colors["grpo"] == "tab:blue" and colors["cispo"] == "tab:cyan"
+    assert colors["my_algo"] == "tab:pink" and colors["other_algo"] == "tab:olive"
+
+
 def test_fit_slope():
     from sanity.mismatch_analysis import fit_slope
     lengths = [10, 200, 1000, 3000, 5000]
@@ -272,6 +296,7 @@ def test_parallel_runs_of_grpo_variants_with_the_analysis_beside(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--algo-args", "sac=--lr 1"], "expected ALGO=ARGS"),
+    (["--algorithms", "sac"], "--algorithms sac: no such algorithm script"),
     (["--parallel", "0"], "--parallel"),
     (["--window", "0"], "--window"),
     (["--dataset", "/nonexistent.jsonl"], "no such file"),

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from common.metrics import StepStats, mismatch
-from conftest import SCRIPTS, algorithm_scripts
+from common.scripts import algorithm_scripts
+from conftest import SCRIPTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
@@ -46,7 +47,8 @@ def fields(script: str) -> set:
 
 
 def test_the_scripts_list_is_read_from_the_tree(tmp_path):
-    """conftest.SCRIPTS: the top-level files that define main() and parse_args(), not the other modules."""
+    """conftest.SCRIPTS (common/scripts.py): the top-level files that define main() and parse_args(), not the other
+    modules."""
     assert "grpo.py" in SCRIPTS and "corrections.py" not in SCRIPTS and len(SCRIPTS) >= 5
     (tmp_path / "new_algo.py").write_text("def parse_args(argv=None):\n    pass\n\n\ndef main(args):\n    pass\n")
     (tmp_path / "helper.py").write_text("def main():\n    pass\n")
