@@ -180,6 +180,90 @@ def test_scores_do_not_depend_on_batching_and_match_transformers(small_rm):
     assert len(set(b.tolist())) == len(texts)  # the scores differ: the test would see a swapped row
 
 
+@pytest.fixture()
+def pad_is_eos_rm(small_rm, tmp_path):
+    """The small reward model as a published one (no reward_model.json) whose pad token is its end-of-sequence token,
+    as in many tokenizers (and TRL's default when a tokenizer has no pad token)."""
+    from transformers import AutoTokenizer
+    path, _ = small_rm
+    out = str(tmp_path / "pad_is_eos")
+    shutil.copytree(path, out)
+    os.remove(os.path.join(out, "reward_model.json"))
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["pad_token_id"] = cfg["eos_token_id"]
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.pad_token = tok.eos_token
+    tok.save_pretrained(out)
+    return out
+
+
+TEXTS = [("1+1=", "2"), ("47+38=", "85"), ("9+90=", "99"), ("3+4=", "8"), ("10+10=", "2000")]
+
+
+def test_a_published_model_whose_pad_is_eos_is_read_as_transformers_reads_it(pad_is_eos_rm):
+    """A reward model not trained here is read where transformers' AutoModelForSequenceClassification reads it (and
+    so where TRL trained it): the last token that is not the config's pad token, here the token before the
+    end-of-sequence token. Its own forward over the same right-padded batch gives our scores; reading the last
+    token instead (the end-of-sequence token) gives others."""
+    rm = RewardModel(pad_is_eos_rm, "raw", "fp32", CPU, 10 ** 6)
+    assert rm.score_token == "last_non_pad" and rm.skip_id == rm.tokenizer.eos_token_id
+    assert "not its pad token, id 1 (transformers' rule)" in rm.describe()
+    ours = torch.tensor(rm.score(*zip(*TEXTS)))
+    seqs = [rm_input_ids(rm.tokenizer, p, r, "raw") for p, r in TEXTS]
+    assert all(s[-1] == rm.tokenizer.eos_token_id for s in seqs)
+    from common.reward_model import right_pad
+    ids, mask = right_pad(seqs, rm.tokenizer.pad_token_id, CPU)
+    with torch.no_grad():
+        theirs = rm.model(input_ids=ids, attention_mask=mask).logits[:, 0]
+        at_last = sequence_scores(rm.model, ids, mask)  # the end-of-sequence token
+    L = max(len(s) for s in seqs)
+    bound = fp32_rounding_bound(rm.model.config, L, L, backward=False) * theirs.abs().max()
+    assert (ours - theirs).abs().max() <= bound
+    assert ((at_last - theirs).abs() > 100 * bound).all()  # the test sees the other position
+
+
+def test_a_model_trained_here_is_read_where_it_was_trained(small_rm, pad_is_eos_rm, tmp_path):
+    """tasks/reward_model.py records in reward_model.json that it trains at the last token; a model with that record
+    is read there even where its pad token is its end-of-sequence token (one trained before the record too); a
+    record of another rule is refused in one line."""
+    _, info = small_rm
+    assert info["score_token"] == "last"
+    out = str(tmp_path / "trained_here")
+    shutil.copytree(pad_is_eos_rm, out)
+    for record in ({"format": "raw", "score_token": "last"}, {"format": "raw"}):
+        with open(os.path.join(out, "reward_model.json"), "w") as f:
+            json.dump(record, f)
+        rm = RewardModel(out, "raw", "fp32", CPU, 10 ** 6)
+        assert rm.skip_id is None and "as it was trained" in rm.describe()
+        for p, r in TEXTS:
+            ids = torch.tensor([rm_input_ids(rm.tokenizer, p, r, "raw")])
+            with torch.no_grad():
+                want = sequence_scores(rm.model, ids, torch.ones_like(ids))
+            assert rm.score([p], [r]) == pytest.approx(want.tolist(), rel=1e-5, abs=1e-6)
+    with open(os.path.join(out, "reward_model.json"), "w") as f:
+        json.dump({"format": "raw", "score_token": "first"}, f)
+    with pytest.raises(ValueError, match="score_token is \"first\", not one of last, last_non_pad"):
+        check_reward_model(flags(out), "{problem}")
+
+
+def test_the_score_head_runs_in_fp32_under_autocast(small_rm):
+    """The trainer's --precision bf16 runs the forward under bf16 autocast: the head's product is fp32 all the same
+    (autocast alone would run F.linear in bf16 and round every score to 8 bits of mantissa)."""
+    path, _ = small_rm
+    rm = RewardModel(path, "raw", "fp32", CPU, 10 ** 6)
+    from common.reward_model import right_pad
+    ids, mask = right_pad([rm_input_ids(rm.tokenizer, p, r, "raw") for p, r in TEXTS], 0, CPU)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        score_B, hidden_BLH = sequence_scores(rm.model, ids, mask, return_hidden=True)
+    assert score_B.dtype == torch.float32
+    h_BH = hidden_BLH[torch.arange(len(TEXTS)), mask.sum(-1) - 1].float()
+    want_B = h_BH @ rm.model.score.weight.float()[0]
+    torch.testing.assert_close(score_B, want_B, rtol=1e-5, atol=1e-6)  # bf16 rounding is ~4e-3 of a score
+
+
 def test_too_long_inputs_are_not_run(small_rm):
     path, _ = small_rm
     rm = RewardModel(path, "raw", "fp32", CPU, 4096)
