@@ -39,8 +39,8 @@ from common.precision import DTYPES
 from common.preflight import check_model_dir
 
 INFO_FILE = "reward_model.json"  # written by tasks/reward_model.py beside the weights: the format it was trained on
-# where a score is read (score_token): "last", the input's last token (tasks/reward_model.py trains there); "last_non_pad",
-# transformers' rule for ...ForSequenceClassification, the last token that is not the config's pad token
+# where a score is read (score_token): "last", the input's last token (tasks/reward_model.py trains there);
+# "last_non_pad", transformers' rule for ...ForSequenceClassification, the last token that is not the config's pad token
 SCORE_TOKENS = ("last", "last_non_pad")
 
 

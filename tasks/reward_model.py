@@ -335,8 +335,8 @@ def train_reward_model(base: str, train_pairs: list[dict], eval_pairs: list[dict
         break  # (stopped early)
     final = (evaluate_pairs(model, eval_enc, pad_id, device, autocast_dtype, micro_batch_tokens) if eval_enc
              else {"accuracy": math.nan, "loss": math.nan, "pairs": 0})
-    info = {"format": fmt, "score_token": "last", "base": base, "train_pairs": len(train_enc), "eval_pairs": final["pairs"],
-            "identical_pairs_dropped": same + eval_same,
+    info = {"format": fmt, "score_token": "last", "base": base, "train_pairs": len(train_enc),
+            "eval_pairs": final["pairs"], "identical_pairs_dropped": same + eval_same,
             "eval_accuracy": final["accuracy"], "eval_loss": final["loss"], "eval_accuracy_before": start["accuracy"],
             "epochs": epochs, "steps": step, "train_accuracy_last": sum(recent) / max(len(recent), 1),
             "lm_coef": lm_coef,
