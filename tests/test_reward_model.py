@@ -287,7 +287,7 @@ def test_rewards_use_the_score_and_log_its_statistics(small_rm, process_group):
     reward = step_reward("exact", -0.5, flags(path))
     rewards, correct, failures, m = score(reward, problems, responses, answers, finished)
     direct = RewardModel(path, "raw", "fp32", CPU, 4096).score(problems[:4], responses[:4])
-    assert rewards == direct + [-0.5]
+    assert rewards == direct + [min(direct + [-0.5])]
     assert correct == [exact_match_reward(r, a) * f for r, a, f in zip(responses, answers, finished)]
     assert failures == 0
     d = torch.tensor(direct, dtype=torch.float64)
@@ -333,12 +333,31 @@ def test_a_nan_score_is_a_reward_failure(nan_rm, process_group):
     reward = step_reward("exact", 0.0, flags(nan_rm))
     rewards, correct, failures, m = score(reward, ["1+1=", "4+5=", "1+2="], ["2", "9", "3"], ["2", "9", "3"],
                                           [True, True, True])
-    assert failures == 1 and rewards[1] == 0.0
+    assert failures == 1 and rewards[1] == min(rewards[0], rewards[2], 0.0)
     assert all(math.isfinite(r) for r in rewards) and correct == [1.0, 1.0, 1.0]
     assert m["reward_model/score_mean"] == pytest.approx((rewards[0] + rewards[2]) / 2)
     every = score(reward, ["9+9="], ["18"], ["18"], [True])
     with pytest.raises(TrainingFault, match="every reward check"):
         check_step_rewards(1, every[2], 1, CPU)
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_a_cut_or_failed_response_gets_the_steps_lowest_normalized_reward(nan_rm, process_group, clip):
+    """With --rm-normalize a fixed --truncated-reward 0 is the running mean, no penalty: a cut response and one whose
+    score failed (NaN: the digit 9) get the step's lowest reward instead, after normalization (and the clip), below
+    the mean; a lower --truncated-reward is taken as it is; a step with nothing scored gets --truncated-reward."""
+    problems, responses = ["1+1=", "4+5=", "1+2=", "47+38=", "1+1="], ["2", "9", "3", "85", "11111111"]
+    finished = [True, True, True, True, False]
+    rewards, _, failures, m = score(step_reward("exact", 0.0, flags(nan_rm, rm_normalize=True, rm_clip=clip)),
+                                    problems, responses, ["2", "9", "3", "85", "2"], finished)
+    scored = [rewards[i] for i in (0, 2, 3)]
+    assert failures == 1 and rewards[1] == rewards[4] == min(scored) < 0
+    assert len(set(scored)) == 3  # the scores differ: a penalty of the highest or the middle one would show
+    rewards, _, _, _ = score(step_reward("exact", -5.0, flags(nan_rm, rm_normalize=True, rm_clip=clip)),
+                             problems, responses, ["2", "9", "3", "85", "2"], finished)
+    assert rewards[1] == rewards[4] == -5.0
+    every_cut = score(step_reward("exact", -2.0, flags(nan_rm, rm_normalize=True)), ["1+1="], ["2"], ["2"], [False])
+    assert every_cut[0] == [-2.0]
 
 
 def test_a_nan_forward_is_refused_before_training(nan_rm):
@@ -398,19 +417,20 @@ def _normalize_on_rank(rank, port, values, out):
     reward = step_reward("exact", 0.0, RewardModelFlags())
     reward.model, reward.learned = ListScorer(), RewardModelFlags(reward_model="x", rm_normalize=True)
     reward.norm = RunningMeanStd()
-    mine = values[rank]
+    mine = values[rank] + [0.0]  # and a cut response, not scored
     rewards, _, _, m = score(reward, ["1+1="] * len(mine), [str(v) for v in mine], ["2"] * len(mine),
-                             [True] * len(mine))
+                             [True] * (len(mine) - 1) + [False])
     out[rank, :len(mine)] = torch.tensor(rewards, dtype=torch.float64)
-    out[rank, 3:] = torch.tensor([m["reward_model/score_max"], m["reward_model/score_min"]], dtype=torch.float64)
+    out[rank, 4:] = torch.tensor([m["reward_model/score_max"], m["reward_model/score_min"]], dtype=torch.float64)
     dist.destroy_process_group()
 
 
 def test_normalization_statistics_are_global_over_ranks():
     """Two ranks with different numbers of scores each normalize by the mean and std of all of them, and log the
-    maximum and minimum of all of them."""
+    maximum and minimum of all of them; a cut response on either rank gets the lowest normalized score of all (rank
+    0's)."""
     values = [[1.0, 2.0], [3.0, 4.0, 10.0]]
-    out = torch.zeros(2, 5, dtype=torch.float64).share_memory_()
+    out = torch.zeros(2, 6, dtype=torch.float64).share_memory_()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -418,7 +438,8 @@ def test_normalization_statistics_are_global_over_ranks():
     every = torch.tensor(values[0] + values[1], dtype=torch.float64)
     want = (every - every.mean()) / torch.sqrt(every.var(unbiased=False) + 1e-8)
     torch.testing.assert_close(torch.cat([out[0, :2], out[1, :3]]), want)
-    assert out[:, 3].tolist() == [10.0, 10.0] and out[:, 4].tolist() == [1.0, 1.0]
+    torch.testing.assert_close(torch.stack([out[0, 2], out[1, 3]]), want.min().expand(2))
+    assert out[:, 4].tolist() == [10.0, 10.0] and out[:, 5].tolist() == [1.0, 1.0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
