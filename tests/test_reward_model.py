@@ -119,10 +119,56 @@ def test_the_gradient_does_not_depend_on_the_micro_batches(tiny_model_dir):
                                                model.get_input_embeddings().weight, lm_coef=1.0)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
         assert loss_sum > 0 and 0 <= right <= 6
-    L = max(len(c) for c, r, _ in encoded for c in (c, r))
+    L = max(len(c) for c, r, *_ in encoded for c in (c, r))
     bound = fp32_rounding_bound(model.config, L, 2 * 6 * L, backward=True)
     for g in grads[1:]:
         assert_close_to_rounding(g, grads[0], bound)
+
+
+def test_margins_and_centering_enter_the_loss(tiny_model_dir, tmp_path):
+    """TRL's two additions to the Bradley-Terry loss: a pair's `margin` field (-log sigmoid(r_c - r_r - margin); 0
+    where a row has none) and center_rewards_coefficient c (+ c (r_c + r_r)^2), averaged over the pairs. The gradient
+    accumulated in micro-batches is that of this loss written out over the whole batch, and not that of the loss
+    without them; a margin that is not a number is refused in one line."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from tasks.reward_model import pair_scores
+    rows = [{"prompt": "1+2=", "chosen": "3", "rejected": "4", "margin": 2.5},
+            {"prompt": "47+38=", "chosen": "85", "rejected": "86"},
+            {"prompt": "5+60=", "chosen": "65", "rejected": "56", "margin": -1}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pairs = read_pairs(str(path))
+    assert [p["margin"] for p in pairs] == [2.5, 0.0, -1.0]
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    encoded, _, _ = encode_pairs(tok, pairs, "raw", 64)
+    coef, batch = 0.3, [0, 1, 2]
+
+    def gradient(accumulate):
+        torch.manual_seed(0)
+        model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1, dtype=torch.float32)
+        accumulate(model)
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    def written_out(model):
+        rc, rr, _ = pair_scores(model, encoded, batch, 0, CPU, None)
+        margin = torch.tensor([2.5, 0.0, -1.0])
+        (-F.logsigmoid(rc - rr - margin) + coef * (rc + rr) ** 2).mean().backward()
+
+    ours = gradient(lambda m: accumulate_gradients(m, encoded, batch, 12, 0, CPU, None, center_coef=coef))
+    want = gradient(written_out)
+    no_margins = [e[:3] + (0.0,) for e in encoded]
+    L = max(len(x) for c, r, *_ in encoded for x in (c, r))
+    cfg = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).config
+    bound = fp32_rounding_bound(cfg, L, 2 * 3 * L, backward=True)
+    assert_close_to_rounding(ours, want, bound)
+    for enc, c in ((no_margins, coef), (encoded, 0.0)):  # the test sees a term left out
+        other = gradient(lambda m: accumulate_gradients(m, enc, batch, 12, 0, CPU, None, center_coef=c))
+        assert (other - want).abs().max() > 100 * bound * want.abs().max()
+    path.write_text(json.dumps({**rows[0], "margin": "big"}) + "\n")
+    with pytest.raises(ValueError, match="line 1: field 'margin' is \"big\", not a finite number"):
+        read_pairs(str(path))
 
 
 def test_split_by_prompt_keeps_a_prompts_pairs_together():
