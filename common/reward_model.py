@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
+from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from common.data import is_chat
@@ -88,6 +89,11 @@ def check_reward_model(flags: RewardModelFlags, prompt_template: str) -> str | N
     path = os.path.expanduser(path)  # (a quoted ~ reaches here as it is: config.json then names no home directory)
     check_model_dir(path, "--reward-model")  # the directory, config.json, tokenizer, JSON files, weights complete
     config = read_config(path, where)
+    openrlhf = openrlhf_style(config, weight_names(path))
+    if openrlhf:
+        raise ValueError(f"{where}: an OpenRLHF-style reward model ({openrlhf}), not read here: --reward-model reads a "
+                         "transformers ...ForSequenceClassification with one label and its head named `score`, as TRL "
+                         "and tasks/reward_model.py write them (docs/reward-models.md says how to convert one)")
     if not is_classifier(config):
         raise ValueError(f"{where}: no scalar head: its config.json names "
                          f"{', '.join(config.get('architectures') or []) or 'no architecture'}, not a "
@@ -145,6 +151,33 @@ def num_labels(config: dict, where: str) -> int:
         raise ValueError(f"{where}: its config.json's num_labels is {json.dumps(n)[:80]}, not a whole number of "
                          "labels")
     return len(id2label) if id2label is not None else 2 if n is None else n
+
+
+def weight_names(path: str) -> set[str]:
+    """The names of the tensors in the safetensors weights of `path` (check_model_dir has checked them): its index's
+    weight map, else model.safetensors' header (only the header is read); empty when there are none."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return set(json.load(f)["weight_map"])
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        return set()
+    with safe_open(single, "pt") as f:
+        return set(f.keys())
+
+
+def openrlhf_style(config: dict, names: set[str]) -> str | None:
+    """What marks a reward model saved by OpenRLHF (its get_llm_for_sequence_regression), or None: a head called
+    `value_head` (its default value_head_prefix), or the `normalize_reward` key that its loader writes into the
+    config, with the mean and std it then divides by. transformers would load such a directory with a new random
+    `score` head (a value head it does not know), or not as a classifier at all."""
+    if "value_head.weight" in names:
+        return "its head is value_head.weight, not score.weight"
+    if "normalize_reward" in config and not is_classifier(config):
+        return (f"its config.json has normalize_reward and names "
+                f"{', '.join(config.get('architectures') or []) or 'no architecture'}")
+    return None
 
 
 def read_info(path: str) -> dict:

@@ -552,6 +552,41 @@ def test_reward_model_directories_of_the_wrong_shape(small_rm, tmp_path, change,
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+def openrlhf_copy(src, dst, architectures, normalize_reward=True, head="value_head"):
+    """The reward model src saved as OpenRLHF saves one: its scalar head under `head`, its config naming
+    `architectures` and holding normalize_reward (with the mean and std it divides by), no reward_model.json."""
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["architectures"] = architectures
+    if normalize_reward:
+        cfg.update(normalize_reward=True, mean=0.5, std=2.0)
+    rm_copy(src, dst, config=cfg)
+    os.remove(os.path.join(dst, "reward_model.json"))
+    weights = load_file(os.path.join(dst, "model.safetensors"))
+    weights[f"{head}.weight"] = weights.pop("score.weight")
+    save_file(weights, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("architectures, normalize_reward, head, says", [
+    (["Qwen2Model"], True, "value_head", "its head is value_head.weight"),
+    (["RewardModel"], True, "score", "its config.json has normalize_reward and names RewardModel"),
+    (["Qwen2ForSequenceClassification"], False, "value_head", "its head is value_head.weight"),
+], ids=["value_head", "score-head-normalize", "classifier-config-value-head"])
+def test_an_openrlhf_style_reward_model_is_refused_in_one_line(small_rm, tmp_path, architectures, normalize_reward,
+                                                               head, says):
+    """OpenRLHF saves its reward models with a value head (`value_head` by default) and normalize_reward in the
+    config: one line that says so and what is read, before anything loads. With a classifier's config, transformers
+    would load it with a new random `score` head and the run would train on noise."""
+    path, _ = small_rm
+    out = openrlhf_copy(path, str(tmp_path / "openrlhf"), architectures, normalize_reward, head)
+    with pytest.raises(ValueError) as e:
+        check_reward_model(flags(out), "{problem}")
+    msg = str(e.value)
+    assert "an OpenRLHF-style reward model" in msg and says in msg and "\n" not in msg, msg
+    assert "...ForSequenceClassification with one label and its head named `score`" in msg
+
+
 def test_a_script_refuses_a_reward_model_whose_config_is_a_list(small_rm, tmp_path):
     path, _ = small_rm
     with open(os.path.join(path, "config.json")) as f:
