@@ -268,7 +268,7 @@ def test_a_published_model_whose_pad_is_eos_is_read_as_transformers_reads_it(pad
     L = max(len(s) for s in seqs)
     bound = fp32_rounding_bound(rm.model.config, L, L, backward=False) * theirs.abs().max()
     assert (ours - theirs).abs().max() <= bound
-    assert ((at_last - theirs).abs() > 100 * bound).all()  # the test sees the other position
+    assert (at_last - theirs).abs().max() > 100 * bound  # the test sees the other position
 
 
 def test_a_model_trained_here_is_read_where_it_was_trained(small_rm, pad_is_eos_rm, tmp_path):
