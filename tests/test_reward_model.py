@@ -388,7 +388,7 @@ def test_a_nan_score_is_a_reward_failure(nan_rm, process_group):
 
 
 @pytest.mark.parametrize("clip", [0.0, 1.0])
-def test_a_cut_or_failed_response_gets_the_steps_lowest_normalized_reward(nan_rm, process_group, clip):
+def test_a_cut_or_failed_response_gets_the_steps_lowest_normalized_reward(nan_rm, process_group, clip, capfd):
     """With --rm-normalize a fixed --truncated-reward 0 is the running mean, no penalty: a cut response and one whose
     score failed (NaN: the digit 9) get the step's lowest reward instead, after normalization (and the clip), below
     the mean; a lower --truncated-reward is taken as it is; a step with nothing scored gets --truncated-reward."""
@@ -396,6 +396,8 @@ def test_a_cut_or_failed_response_gets_the_steps_lowest_normalized_reward(nan_rm
     finished = [True, True, True, True, False]
     rewards, _, failures, m = score(step_reward("exact", 0.0, flags(nan_rm, rm_normalize=True, rm_clip=clip)),
                                     problems, responses, ["2", "9", "3", "85", "2"], finished)
+    said = "gets the step's lowest reward (normalized" + (" and clipped)" if clip else ")")
+    assert said + ", or --truncated-reward 0 when that is lower" in capfd.readouterr().out  # at start
     scored = [rewards[i] for i in (0, 2, 3)]
     assert failures == 1 and rewards[1] == rewards[4] == min(scored) < 0
     assert len(set(scored)) == 3  # the scores differ: a penalty of the highest or the middle one would show
