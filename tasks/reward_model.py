@@ -55,7 +55,7 @@ class Args:
     base: str | None = None
     """the model to start from: a causal LM directory (a new scalar head is added) or a reward model directory"""
     pairs: str | None = None
-    """the training pairs: .jsonl with prompt, chosen and rejected fields"""
+    """the training pairs: .jsonl with prompt, chosen and rejected fields, and an optional margin (a number)"""
     eval_pairs: str | None = None
     """held-out pairs (same format); default: --eval-frac of --pairs' prompts, kept out of training"""
     eval_frac: float = 0.05
