@@ -12,8 +12,13 @@ prompt: common.data.prompt_text) and the response decoded from the policy's toke
   'chat'  its tokenizer's chat template around a user turn and an assistant turn, or
   'raw'   prompt + response + its end-of-sequence token.
 A run's format follows its prompts: chat turns give 'chat', a raw template 'raw'. A reward model with another
-tokenizer than the policy's thus needs nothing more than its own tokenizer (the run says which at start). The score
-is read at the sequence's last token (the end of the assistant turn, or the end-of-sequence token).
+tokenizer than the policy's thus needs nothing more than its own tokenizer (the run says which at start).
+
+The score is read where the model was trained to be read (score_token): a reward model that tasks/reward_model.py
+trained at the input's last token (the end of the assistant turn, or the end-of-sequence token), as its
+reward_model.json records; any other (a published one, TRL's) by transformers' rule, the last token that is not its
+config's pad token (AutoModelForSequenceClassification's forward): where pad and end-of-sequence are one token, the
+token before the end-of-sequence token.
 """
 import json
 import math
@@ -26,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
+from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from common.data import is_chat
@@ -34,6 +40,9 @@ from common.precision import DTYPES
 from common.preflight import check_model_dir
 
 INFO_FILE = "reward_model.json"  # written by tasks/reward_model.py beside the weights: the format it was trained on
+# where a score is read (score_token): "last", the input's last token (tasks/reward_model.py trains there);
+# "last_non_pad", transformers' rule for ...ForSequenceClassification, the last token that is not the config's pad token
+SCORE_TOKENS = ("last", "last_non_pad")
 
 
 @dataclass
@@ -80,6 +89,11 @@ def check_reward_model(flags: RewardModelFlags, prompt_template: str) -> str | N
     path = os.path.expanduser(path)  # (a quoted ~ reaches here as it is: config.json then names no home directory)
     check_model_dir(path, "--reward-model")  # the directory, config.json, tokenizer, JSON files, weights complete
     config = read_config(path, where)
+    openrlhf = openrlhf_style(config, weight_names(path))
+    if openrlhf:
+        raise ValueError(f"{where}: an OpenRLHF-style reward model ({openrlhf}), not read here: --reward-model reads a "
+                         "transformers ...ForSequenceClassification with one label and its head named `score`, as TRL "
+                         "and tasks/reward_model.py write them (docs/reward-models.md says how to convert one)")
     if not is_classifier(config):
         raise ValueError(f"{where}: no scalar head: its config.json names "
                          f"{', '.join(config.get('architectures') or []) or 'no architecture'}, not a "
@@ -93,6 +107,7 @@ def check_reward_model(flags: RewardModelFlags, prompt_template: str) -> str | N
         raise FileNotFoundError(f"{where}: no weights there (*.safetensors)" + (
             f"; {', '.join(pickles)}: pickled weights, not loaded (loading a pickle can run code): save them as "
             "safetensors (save_pretrained does by default)" if pickles else ""))
+    score_token(path, where)
     fmt = "chat" if is_chat(prompt_template) else "raw"
     trained = read_info(path).get("format")
     if trained is not None and trained != fmt:
@@ -138,6 +153,33 @@ def num_labels(config: dict, where: str) -> int:
     return len(id2label) if id2label is not None else 2 if n is None else n
 
 
+def weight_names(path: str) -> set[str]:
+    """The names of the tensors in the safetensors weights of `path` (check_model_dir has checked them): its index's
+    weight map, else model.safetensors' header (only the header is read); empty when there are none."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return set(json.load(f)["weight_map"])
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        return set()
+    with safe_open(single, "pt") as f:
+        return set(f.keys())
+
+
+def openrlhf_style(config: dict, names: set[str]) -> str | None:
+    """What marks a reward model saved by OpenRLHF (its get_llm_for_sequence_regression), or None: a head called
+    `value_head` (its default value_head_prefix), or the `normalize_reward` key that its loader writes into the
+    config, with the mean and std it then divides by. transformers would load such a directory with a new random
+    `score` head (a value head it does not know), or not as a classifier at all."""
+    if "value_head.weight" in names:
+        return "its head is value_head.weight, not score.weight"
+    if "normalize_reward" in config and not is_classifier(config):
+        return (f"its config.json has normalize_reward and names "
+                f"{', '.join(config.get('architectures') or []) or 'no architecture'}")
+    return None
+
+
 def read_info(path: str) -> dict:
     """tasks/reward_model.py's record of how the reward model in `path` was trained ({} for any other)."""
     try:
@@ -146,6 +188,20 @@ def read_info(path: str) -> dict:
     except (OSError, ValueError):
         return {}
     return info if isinstance(info, dict) else {}
+
+
+def score_token(path: str, where: str = "--reward-model") -> str:
+    """Where the reward model in `path` is read (SCORE_TOKENS): its reward_model.json's score_token when
+    tasks/reward_model.py trained it ("last" when the record predates the key: every version trained there), else
+    transformers' rule, "last_non_pad"; a one-line ValueError for a value it does not know."""
+    info = read_info(path)
+    if "format" not in info:  # not trained here: read as transformers (and so TRL) trains and reads it
+        return "last_non_pad"
+    rule = info.get("score_token", "last")
+    if rule not in SCORE_TOKENS:
+        raise ValueError(f"{where}: its {INFO_FILE}'s score_token is {json.dumps(rule)[:80]}, not one of "
+                         f"{', '.join(SCORE_TOKENS)}")
+    return rule
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -175,20 +231,31 @@ def score_head(model: nn.Module) -> nn.Linear:
     return head
 
 
+def score_positions(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, skip_id: int | None) -> torch.Tensor:
+    """last_B, the position each right-padded row is read at: its last token, or with skip_id its last token that is
+    not skip_id (transformers' rule: pooled at the rightmost token != pad_token_id, position 0 when every one is)."""
+    if skip_id is None:
+        return attention_mask_BL.sum(-1) - 1
+    keep_BL = attention_mask_BL.bool() & (input_ids_BL != skip_id)
+    pos_L = torch.arange(input_ids_BL.shape[1], device=input_ids_BL.device)
+    return (pos_L * keep_BL).argmax(-1)
+
+
 def sequence_scores(model: nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
-                    return_hidden: bool = False):
-    """score_B, fp32: the `score` head on the final hidden state of each row's last token (rows right-padded); with
-    return_hidden, (score_B, hidden_BLH) with every position's final hidden state.
-    Not transformers' own pooling, which takes the last token that is not the pad token: where pad and
-    end-of-sequence are one token (many tokenizers), that skips the end-of-sequence token the response ended with."""
+                    return_hidden: bool = False, skip_id: int | None = None):
+    """score_B, fp32: the `score` head on the final hidden state of each row (rows right-padded) at score_positions:
+    its last token, or with skip_id (a published model's pad token: RewardModel) its last token that is not skip_id;
+    with return_hidden, (score_B, hidden_BLH) with every position's final hidden state."""
     base = getattr(model, model.base_model_prefix)
     hidden_BLH = base(input_ids=input_ids_BL, attention_mask=attention_mask_BL).last_hidden_state
-    last_B = attention_mask_BL.sum(-1) - 1
+    last_B = score_positions(input_ids_BL, attention_mask_BL, skip_id)
     hidden_BH = hidden_BLH[torch.arange(hidden_BLH.shape[0], device=hidden_BLH.device), last_B]
     head = score_head(model)
     bias = None if head.bias is None else head.bias.float()
-    # the head's product in fp32 (its weights are in the compute dtype): a score is never rounded to 16 bits
-    score_B = F.linear(hidden_BH.float(), head.weight.float(), bias).squeeze(-1)
+    # the head's product in fp32 (its weights are in the compute dtype), also under autocast, which would run F.linear
+    # in its 16-bit dtype whatever its inputs are: a score is never rounded to 16 bits
+    with torch.autocast(hidden_BH.device.type, enabled=False):
+        score_B = F.linear(hidden_BH.float(), head.weight.float(), bias).squeeze(-1)
     return (score_B, hidden_BLH) if return_hidden else score_B
 
 
@@ -223,6 +290,10 @@ class RewardModel:
         self.model.eval()
         score_head(self.model)
         self.pad_id = pad_id_of(self.tokenizer)
+        self.score_token = score_token(path)
+        # transformers' rule skips the config's pad token (not the tokenizer's); without one it reads the last token
+        self.skip_id = (self.model.config.get_text_config().pad_token_id if self.score_token == "last_non_pad"
+                        else None)
         self.max_len = getattr(self.model.config, "max_position_embeddings", None)  # longer inputs are not scored
         self.too_long_reported = False
 
@@ -239,7 +310,7 @@ class RewardModel:
         for group in split_microbatches([len(seqs[i]) for i in fits], self.batch_tokens) if fits else []:
             idx = [fits[j] for j in group]
             ids, mask = right_pad([seqs[i] for i in idx], self.pad_id, self.device)
-            for i, s in zip(idx, sequence_scores(self.model, ids, mask).cpu().tolist()):
+            for i, s in zip(idx, sequence_scores(self.model, ids, mask, skip_id=self.skip_id).cpu().tolist()):
                 scores[i] = s
         return scores
 
@@ -252,8 +323,11 @@ class RewardModel:
         n = sum(p.numel() for p in self.model.parameters())
         how = ("its chat template around the prompt and the response" if self.fmt == "chat" else
                "prompt + response + its end-of-sequence token")
+        where = ("its last token, as it was trained (its reward_model.json)" if self.score_token == "last" else
+                 "its last token (transformers' rule; its config names no pad token)" if self.skip_id is None else
+                 f"its last token that is not its pad token, id {self.skip_id} (transformers' rule)")
         line = (f"{self.path} ({type(self.model).__name__}, {n / 1e6:.1f}M parameters, {self.precision} on "
-                f"{self.device.type}); input format {self.fmt}: {how}")
+                f"{self.device.type}); input format {self.fmt}: {how}, the score read at {where}")
         if policy_tokenizer is not None:
             same = self.tokenizer.get_vocab() == policy_tokenizer.get_vocab()
             line += ("; its tokenizer is the policy's" if same else

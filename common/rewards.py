@@ -274,9 +274,12 @@ class Reward:
     number, module:function) is the reward, a response cut at the length limit getting truncated_reward. With one
     (`learned`, common.reward_model.RewardModelFlags with a reward_model directory), its score of prompt + response
     trains and the rule only measures: train/accuracy and its companions are the rule's verdicts (a cut response
-    counts as wrong there), and evaluation, which the scripts give the rule, is unchanged. A cut response still gets
-    truncated_reward (the reward model does not score it). A score that is nan or inf, or of an input longer than the
-    reward model's positions, is a reward failure: 0, counted, as a rule's failed check. Each rank scores its own
+    counts as wrong there), and evaluation, which the scripts give the rule, is unchanged. A score that is nan or inf,
+    or of an input longer than the reward model's positions, is a reward failure, counted as a rule's failed check.
+    A cut response (the reward model does not score it) and a failed one get the step's lowest reward (of every rank's
+    scored responses, after normalization and clipping), or truncated_reward when that is lower: never more than a
+    scored response, on the scale the rewards are on (with --rm-normalize a fixed value such as 0 would be the running
+    mean, no penalty at all); truncated_reward when nothing was scored. Each rank scores its own
     responses; the score statistics take two small collectives a step, which also keep every rank's running mean and
     std the same (--rm-normalize; state_dict goes into the checkpoints' trainer_state)."""
 
@@ -295,8 +298,11 @@ class Reward:
         precision = learned.rm_precision or precision
         self.model = RewardModel(learned.reward_model, fmt, precision, device, learned.rm_batch_tokens)
         self.norm = RunningMeanStd() if learned.rm_normalize else None
+        on = " and ".join(w for w, yes in (("normalized", learned.rm_normalize), ("clipped", learned.rm_clip > 0))
+                          if yes)
         print0(f"[reward] learned reward: {self.model.describe(tokenizer)}; --reward {kind} measures train/accuracy "
-               "and the evaluation")
+               "and the evaluation; a response cut at the length limit or whose score fails gets the step's lowest "
+               f"reward{f' ({on})' if on else ''}, or --truncated-reward {self.truncated_reward:g} when that is lower")
         scores = self.model.score([prompt_text(p["problem"], template) for p in probe], [p["answer"] for p in probe])
         bad = [x for x in scores if not math.isfinite(x)]
         if bad:
@@ -341,8 +347,8 @@ class Reward:
         if len(ok) < len(todo) and "reward model" not in _reported:
             _reported.add("reward model")
             print(f"[reward] the reward model scored {len(todo) - len(ok)} of {len(todo)} responses "
-                  f"{next(x for x in raw if not math.isfinite(x))} (scored 0, counted in train/reward_failures; "
-                  "reported once)", file=sys.stderr, flush=True)
+                  f"{next(x for x in raw if not math.isfinite(x))} (given the step's lowest reward, counted in "
+                  "train/reward_failures; reported once)", file=sys.stderr, flush=True)
         values = [x for _, x in ok]
         g = reduce_stats({"n": len(values), "sum": math.fsum(values), "sq": math.fsum(x * x for x in values)}, "sum",
                          self.device)
@@ -354,17 +360,22 @@ class Reward:
         stats.set("reward_model/score_max", hi["max"] if n else math.nan)
         stats.set("reward_model/score_min", -hi["neg_min"] if n else math.nan)
         stats.add("reward_model/rule_failures", float(rule_failures))
-        if self.norm is not None:  # every rank's scores of this step enter the running statistics
-            self.norm.update(n, g["sum"], g["sq"])
+        lowest = -hi["neg_min"]  # the step's lowest score, every rank's (inf when none): normalizing and clipping
+        if self.norm is not None:  # keep the order, so it becomes the lowest reward
+            self.norm.update(n, g["sum"], g["sq"])  # every rank's scores of this step enter the running statistics
             scale = math.sqrt(self.norm.m2 / max(self.norm.count, 1.0) + 1e-8)
             values = [(x - self.norm.mean) / scale for x in values]
+            lowest = (lowest - self.norm.mean) / scale
             stats.set("reward_model/running_mean", self.norm.mean)
             stats.set("reward_model/running_std", self.norm.std)
         if self.learned.rm_clip > 0:
             c = self.learned.rm_clip
             stats.add("reward_model/clip_frac", float(sum(abs(x) > c for x in values)), len(values))
             values = [min(max(x, -c), c) for x in values]
-        rewards = [self.truncated_reward if not done else 0.0 for done in finished]  # 0: a failed score
+            lowest = min(max(lowest, -c), c)
+        # a cut or failed response: never above a scored one, on the rewards' own scale (Reward's docstring)
+        penalty = min(self.truncated_reward, lowest) if n else self.truncated_reward
+        rewards = [penalty] * len(finished)
         for (i, _), x in zip(ok, values):
             rewards[i] = x
         return rewards, correct, len(todo) - len(ok)

@@ -1,8 +1,9 @@
 """Train a reward model from preference pairs (Bradley-Terry), for the scripts' --reward-model (docs/reward-models.md).
 
-Pairs: a .jsonl of {prompt, chosen, rejected} (other fields ignored): `prompt` the text of the prompt as the policy's
---prompt-template writes it (the user turn's text for a chat template, the whole prompt for a raw one), `chosen` the
-preferred response, `rejected` the other. The model: any causal LM directory (or a reward model, to train on) with a
+Pairs: a .jsonl of {prompt, chosen, rejected} and an optional margin (other fields ignored): `prompt` the text of the
+prompt as the policy's --prompt-template writes it (the user turn's text for a chat template, the whole prompt for a
+raw one), `chosen` the preferred response, `rejected` the other, `margin` by how much (TRL's field: the loss below with
+r(chosen) - r(rejected) - margin). The model: any causal LM directory (or a reward model, to train on) with a
 scalar head (transformers' AutoModelForSequenceClassification with one label; a new head starts from its init). The
 loss of a pair is -log sigmoid(r(prompt, chosen) - r(prompt, rejected)) (Bradley and Terry 1952; InstructGPT,
 Ouyang et al. 2022, eq. 1), averaged over a batch of pairs; AdamW at a constant rate. The held-out pair accuracy (the
@@ -54,7 +55,7 @@ class Args:
     base: str | None = None
     """the model to start from: a causal LM directory (a new scalar head is added) or a reward model directory"""
     pairs: str | None = None
-    """the training pairs: .jsonl with prompt, chosen and rejected fields"""
+    """the training pairs: .jsonl with prompt, chosen and rejected fields, and an optional margin (a number)"""
     eval_pairs: str | None = None
     """held-out pairs (same format); default: --eval-frac of --pairs' prompts, kept out of training"""
     eval_frac: float = 0.05
@@ -83,6 +84,9 @@ class Args:
     lm_coef: float = 0.0
     """add this times the next-token loss of the chosen responses (mean over their tokens) to the Bradley-Terry loss,
     through the base's output embedding (GRM's regularizer, arXiv 2406.10216); 0: off"""
+    center_rewards_coefficient: float = 0.0
+    """add this times the mean over pairs of (r(chosen) + r(rejected))^2 to the loss, which pulls the scores towards
+    mean 0 (Eisenstein et al. 2023, arXiv 2312.09244, eq. 2; TRL's RewardConfig field of this name); 0: off"""
     max_len: int = 0
     """pairs with a side longer than this (tokens) are skipped (0: the model's maximum positions)"""
     precision: Literal["fp32", "bf16"] = "fp32"
@@ -116,7 +120,8 @@ def log(*parts) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 def read_pairs(path: str) -> list[dict]:
-    """The {prompt, chosen, rejected} rows of a .jsonl file; a one-line ValueError on a bad row."""
+    """The {prompt, chosen, rejected, margin} rows of a .jsonl file (margin 0 where a row has none); a one-line
+    ValueError on a bad row."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"pairs file {path!r}: no such file")
     rows = []
@@ -139,7 +144,11 @@ def read_pairs(path: str) -> list[dict]:
                 if not isinstance(row.get(key), str):
                     raise ValueError(f"{path}: line {lineno}: field {key!r} missing or not a string (a pair is "
                                      "{prompt, chosen, rejected})")
-            rows.append({key: row[key] for key in ("prompt", "chosen", "rejected")})
+            margin = row.get("margin", 0.0)
+            if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+                raise ValueError(f"{path}: line {lineno}: field 'margin' is {json.dumps(margin)[:40]}, not a finite "
+                                 "number")
+            rows.append({**{key: row[key] for key in ("prompt", "chosen", "rejected")}, "margin": float(margin)})
     if not rows:
         raise ValueError(f"{path}: no pairs")
     return rows
@@ -153,17 +162,21 @@ def split_by_prompt(pairs: list[dict], frac: float, seed: int) -> tuple[list[dic
     return [p for p in pairs if p["prompt"] not in held], [p for p in pairs if p["prompt"] in held]
 
 
-def bradley_terry_loss(r_chosen_B: torch.Tensor, r_rejected_B: torch.Tensor) -> torch.Tensor:
-    """Per pair: -log sigmoid(r_chosen - r_rejected), the negative log-likelihood of the preference under the
-    Bradley-Terry model P(chosen > rejected) = sigmoid(r_chosen - r_rejected). logsigmoid is stable for any gap."""
-    return -F.logsigmoid(r_chosen_B - r_rejected_B)
+def bradley_terry_loss(r_chosen_B: torch.Tensor, r_rejected_B: torch.Tensor,
+                       margin_B: torch.Tensor | None = None) -> torch.Tensor:
+    """Per pair: -log sigmoid(r_chosen - r_rejected - margin), the negative log-likelihood of the preference under the
+    Bradley-Terry model P(chosen > rejected) = sigmoid(r_chosen - r_rejected), with the pair's margin (0 without one:
+    the pure model) asking for a gap of at least that much (Llama 2, Touvron et al. 2023, eq. 2; TRL's `margin`).
+    logsigmoid is stable for any gap."""
+    return -F.logsigmoid(r_chosen_B - r_rejected_B - (0.0 if margin_B is None else margin_B))
 
 
 def encode_pairs(tokenizer, pairs: list[dict], fmt: str, max_len: int) -> tuple[list[tuple], int, int]:
-    """(chosen ids, rejected ids, where the chosen response starts) of each pair that fits max_len and whose two inputs
-    differ, how many did not fit, and how many were the same input twice (chosen == rejected: no preference to learn,
-    and a tie that counts as wrong). The start: the length of what the chosen input shares with the input of an empty
-    response (the prompt and what the format puts before the response)."""
+    """(chosen ids, rejected ids, where the chosen response starts, margin) of each pair that fits max_len and whose
+    two inputs differ, how many did not fit, and how many were the same input twice (chosen == rejected: no
+    preference to learn, and a tie that counts as wrong). The start: the length of what the chosen input shares with
+    the input of an empty response (the prompt and what the format puts before the response). margin: the pair's
+    (read_pairs), 0 where it has none."""
     from common.reward_model import rm_input_ids
     out, skipped, same = [], 0, 0
     for p in pairs:
@@ -177,7 +190,7 @@ def encode_pairs(tokenizer, pairs: list[dict], fmt: str, max_len: int) -> tuple[
             continue
         empty = rm_input_ids(tokenizer, p["prompt"], "", fmt)
         start = next((i for i, (a, b) in enumerate(zip(c, empty)) if a != b), min(len(c), len(empty)))
-        out.append((c, r, max(start, 1)))
+        out.append((c, r, max(start, 1), p.get("margin", 0.0)))
     return out, skipped, same
 
 
@@ -201,6 +214,11 @@ def pair_scores(model, encoded: list[tuple], idx: list[int], pad_id: int, device
     return r_2B[:len(idx)], r_2B[len(idx):], lm_sum
 
 
+def margins(encoded, idx: list[int], device) -> torch.Tensor:
+    """margin_B of the pairs `idx` (0 where the pairs file gives none)."""
+    return torch.tensor([encoded[i][3] for i in idx], dtype=torch.float32, device=device)
+
+
 def response_tokens(encoded, idx: list[int]) -> int:
     """The chosen responses' tokens of the pairs `idx` (what the LM loss averages over)."""
     return sum(len(encoded[i][0]) - encoded[i][2] for i in idx)
@@ -214,17 +232,20 @@ def pair_groups(encoded, idx: list[int], token_budget: int) -> list[list[int]]:
 
 
 def accumulate_gradients(model, encoded, batch: list[int], token_budget: int, pad_id: int, device, autocast_dtype,
-                         out_weight_VH: torch.Tensor | None = None, lm_coef: float = 0.0) -> tuple[float, float]:
+                         out_weight_VH: torch.Tensor | None = None, lm_coef: float = 0.0,
+                         center_coef: float = 0.0) -> tuple[float, float]:
     """The gradient of one optimizer step's loss, accumulated into the model's .grad micro-batch by micro-batch: the
-    mean Bradley-Terry loss of the pairs `batch`, plus lm_coef times the mean next-token loss of their chosen
-    responses' tokens. Each micro-batch's sums are divided by the batch's counts, not averaged on their own, so the
-    gradient is the same whatever token_budget cuts. Returns (the pairs' summed loss, how many were ranked right)."""
+    mean Bradley-Terry loss of the pairs `batch` (with their margins), plus center_coef times the mean of
+    (r_chosen + r_rejected)^2 over them, plus lm_coef times the mean next-token loss of their chosen responses' tokens.
+    Each micro-batch's sums are divided by the batch's counts, not averaged on their own, so the gradient is the same
+    whatever token_budget cuts. Returns (the pairs' summed Bradley-Terry loss, how many were ranked right)."""
     n_tok = max(response_tokens(encoded, batch), 1)
     loss_sum, right = 0.0, 0.0
     for group in pair_groups(encoded, batch, token_budget):
         rc, rr, lm_sum = pair_scores(model, encoded, group, pad_id, device, autocast_dtype, out_weight_VH)
-        loss_B = bradley_terry_loss(rc, rr)
-        (loss_B.sum() / len(batch) + lm_coef * lm_sum / n_tok).backward()
+        loss_B = bradley_terry_loss(rc, rr, margins(encoded, group, device))
+        center_B = center_coef * (rc + rr) ** 2  # 0 at a pair whose two scores are opposite: mean-0 scores
+        ((loss_B + center_B).sum() / len(batch) + lm_coef * lm_sum / n_tok).backward()
         loss_sum += float(loss_B.detach().sum())
         right += float((rc > rr).sum())
     return loss_sum, right
@@ -238,7 +259,7 @@ def evaluate_pairs(model, encoded, pad_id: int, device, autocast_dtype, token_bu
     for group in pair_groups(encoded, list(range(len(encoded))), token_budget):
         rc, rr, _ = pair_scores(model, encoded, group, pad_id, device, autocast_dtype)
         right += float((rc > rr).sum())
-        loss += float(bradley_terry_loss(rc, rr).sum())
+        loss += float(bradley_terry_loss(rc, rr, margins(encoded, group, device)).sum())
     model.train()
     n = max(len(encoded), 1)
     return {"accuracy": right / n, "loss": loss / n, "pairs": len(encoded)}
@@ -249,12 +270,14 @@ def train_reward_model(base: str, train_pairs: list[dict], eval_pairs: list[dict
                        weight_decay: float = 0.0, max_grad_norm: float = 1.0, max_len: int = 0,
                        precision: str = "fp32", gradient_checkpointing: bool = False, log_every: int = 50,
                        seed: int = 1, device=None, extra_info: dict | None = None,
-                       stop_at_accuracy: float = 0.0, stop_window: int = 50, lm_coef: float = 0.0) -> dict:
+                       stop_at_accuracy: float = 0.0, stop_window: int = 50, lm_coef: float = 0.0,
+                       center_rewards_coefficient: float = 0.0) -> dict:
     """Train from `base` on the pairs, write the reward model (weights, config, tokenizer, reward_model.json) into
     out_dir (which must not exist) and return what reward_model.json holds. stop_at_accuracy > 0: stop early once the
     training pair accuracy of the last stop_window steps reaches it (the pairs are then a cap, not a count).
     lm_coef > 0: add lm_coef times the next-token loss of the chosen responses (their tokens' mean over the batch),
-    through the base's output embedding (Args.lm_coef)."""
+    through the base's output embedding (Args.lm_coef). center_rewards_coefficient > 0: add it times the mean over
+    the batch of (r_chosen + r_rejected)^2 (Args.center_rewards_coefficient)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from common.reward_model import INFO_FILE, pad_id_of
@@ -316,7 +339,7 @@ def train_reward_model(base: str, train_pairs: list[dict], eval_pairs: list[dict
             batch = order[b:b + batch_size]
             optimizer.zero_grad(set_to_none=True)
             loss_sum, right = accumulate_gradients(model, train_enc, batch, micro_batch_tokens, pad_id, device,
-                                                   autocast_dtype, out_weight, lm_coef)
+                                                   autocast_dtype, out_weight, lm_coef, center_rewards_coefficient)
             run_loss, run_right, run_n = run_loss + loss_sum, run_right + right, run_n + len(batch)
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             optimizer.step()
@@ -335,11 +358,12 @@ def train_reward_model(base: str, train_pairs: list[dict], eval_pairs: list[dict
         break  # (stopped early)
     final = (evaluate_pairs(model, eval_enc, pad_id, device, autocast_dtype, micro_batch_tokens) if eval_enc
              else {"accuracy": math.nan, "loss": math.nan, "pairs": 0})
-    info = {"format": fmt, "base": base, "train_pairs": len(train_enc), "eval_pairs": final["pairs"],
-            "identical_pairs_dropped": same + eval_same,
+    info = {"format": fmt, "score_token": "last", "base": base, "train_pairs": len(train_enc),
+            "eval_pairs": final["pairs"], "identical_pairs_dropped": same + eval_same,
             "eval_accuracy": final["accuracy"], "eval_loss": final["loss"], "eval_accuracy_before": start["accuracy"],
             "epochs": epochs, "steps": step, "train_accuracy_last": sum(recent) / max(len(recent), 1),
-            "lm_coef": lm_coef,
+            "lm_coef": lm_coef, "center_rewards_coefficient": center_rewards_coefficient,
+            "pairs_with_margin": sum(1 for e in train_enc if e[3] != 0),
             "batch_size": batch_size, "lr": lr, "precision": precision, "seed": seed,
             "seconds": round(time.perf_counter() - t0, 1), **(extra_info or {})}
     model.save_pretrained(out_dir)
@@ -501,8 +525,9 @@ def main(args: Args) -> dict:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
     if not (args.lr > 0 and math.isfinite(args.lr)) or args.weight_decay < 0 or args.max_grad_norm <= 0:
         raise ValueError("--lr must be finite and > 0, --weight-decay >= 0, --max-grad-norm > 0")
-    if not (math.isfinite(args.lm_coef) and args.lm_coef >= 0):
-        raise ValueError(f"--lm-coef {args.lm_coef}: must be finite and >= 0")
+    for name in ("lm_coef", "center_rewards_coefficient"):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be finite and >= 0")
     if args.max_len < 0 or not 0 <= args.eval_frac < 1:
         raise ValueError("--max-len must be >= 0 and --eval-frac in [0, 1)")
     check_out_dir(args.out_dir, args.overwrite, {"--base": args.base, "--pairs": args.pairs,
@@ -518,7 +543,7 @@ def main(args: Args) -> dict:
                                   args.micro_batch_tokens, args.lr, args.weight_decay, args.max_grad_norm,
                                   args.max_len, args.precision, args.gradient_checkpointing, args.log_every,
                                   args.seed, extra_info={"pairs_file": os.path.abspath(args.pairs)},
-                                  lm_coef=args.lm_coef)
+                                  lm_coef=args.lm_coef, center_rewards_coefficient=args.center_rewards_coefficient)
         if os.path.exists(args.out_dir):
             shutil.rmtree(args.out_dir)
         os.replace(tmp, args.out_dir)  # readers see no directory or a complete one

@@ -119,10 +119,56 @@ def test_the_gradient_does_not_depend_on_the_micro_batches(tiny_model_dir):
                                                model.get_input_embeddings().weight, lm_coef=1.0)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
         assert loss_sum > 0 and 0 <= right <= 6
-    L = max(len(c) for c, r, _ in encoded for c in (c, r))
+    L = max(len(c) for c, r, *_ in encoded for c in (c, r))
     bound = fp32_rounding_bound(model.config, L, 2 * 6 * L, backward=True)
     for g in grads[1:]:
         assert_close_to_rounding(g, grads[0], bound)
+
+
+def test_margins_and_centering_enter_the_loss(tiny_model_dir, tmp_path):
+    """TRL's two additions to the Bradley-Terry loss: a pair's `margin` field (-log sigmoid(r_c - r_r - margin); 0
+    where a row has none) and center_rewards_coefficient c (+ c (r_c + r_r)^2), averaged over the pairs. The gradient
+    accumulated in micro-batches is that of this loss written out over the whole batch, and not that of the loss
+    without them; a margin that is not a number is refused in one line."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from tasks.reward_model import pair_scores
+    rows = [{"prompt": "1+2=", "chosen": "3", "rejected": "4", "margin": 2.5},
+            {"prompt": "47+38=", "chosen": "85", "rejected": "86"},
+            {"prompt": "5+60=", "chosen": "65", "rejected": "56", "margin": -1}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pairs = read_pairs(str(path))
+    assert [p["margin"] for p in pairs] == [2.5, 0.0, -1.0]
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    encoded, _, _ = encode_pairs(tok, pairs, "raw", 64)
+    coef, batch = 0.3, [0, 1, 2]
+
+    def gradient(accumulate):
+        torch.manual_seed(0)
+        model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1, dtype=torch.float32)
+        accumulate(model)
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    def written_out(model):
+        rc, rr, _ = pair_scores(model, encoded, batch, 0, CPU, None)
+        margin = torch.tensor([2.5, 0.0, -1.0])
+        (-F.logsigmoid(rc - rr - margin) + coef * (rc + rr) ** 2).mean().backward()
+
+    ours = gradient(lambda m: accumulate_gradients(m, encoded, batch, 12, 0, CPU, None, center_coef=coef))
+    want = gradient(written_out)
+    no_margins = [e[:3] + (0.0,) for e in encoded]
+    L = max(len(x) for c, r, *_ in encoded for x in (c, r))
+    cfg = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).config
+    bound = fp32_rounding_bound(cfg, L, 2 * 3 * L, backward=True)
+    assert_close_to_rounding(ours, want, bound)
+    for enc, c in ((no_margins, coef), (encoded, 0.0)):  # the test sees a term left out
+        other = gradient(lambda m: accumulate_gradients(m, enc, batch, 12, 0, CPU, None, center_coef=c))
+        assert (other - want).abs().max() > 100 * bound * want.abs().max()
+    path.write_text(json.dumps({**rows[0], "margin": "big"}) + "\n")
+    with pytest.raises(ValueError, match="line 1: field 'margin' is \"big\", not a finite number"):
+        read_pairs(str(path))
 
 
 def test_split_by_prompt_keeps_a_prompts_pairs_together():
@@ -180,6 +226,90 @@ def test_scores_do_not_depend_on_batching_and_match_transformers(small_rm):
     assert len(set(b.tolist())) == len(texts)  # the scores differ: the test would see a swapped row
 
 
+@pytest.fixture()
+def pad_is_eos_rm(small_rm, tmp_path):
+    """The small reward model as a published one (no reward_model.json) whose pad token is its end-of-sequence token,
+    as in many tokenizers (and TRL's default when a tokenizer has no pad token)."""
+    from transformers import AutoTokenizer
+    path, _ = small_rm
+    out = str(tmp_path / "pad_is_eos")
+    shutil.copytree(path, out)
+    os.remove(os.path.join(out, "reward_model.json"))
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["pad_token_id"] = cfg["eos_token_id"]
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.pad_token = tok.eos_token
+    tok.save_pretrained(out)
+    return out
+
+
+TEXTS = [("1+1=", "2"), ("47+38=", "85"), ("9+90=", "99"), ("3+4=", "8"), ("10+10=", "2000")]
+
+
+def test_a_published_model_whose_pad_is_eos_is_read_as_transformers_reads_it(pad_is_eos_rm):
+    """A reward model not trained here is read where transformers' AutoModelForSequenceClassification reads it (and
+    so where TRL trained it): the last token that is not the config's pad token, here the token before the
+    end-of-sequence token. Its own forward over the same right-padded batch gives our scores; reading the last
+    token instead (the end-of-sequence token) gives others."""
+    rm = RewardModel(pad_is_eos_rm, "raw", "fp32", CPU, 10 ** 6)
+    assert rm.score_token == "last_non_pad" and rm.skip_id == rm.tokenizer.eos_token_id
+    assert "not its pad token, id 1 (transformers' rule)" in rm.describe()
+    ours = torch.tensor(rm.score(*zip(*TEXTS)))
+    seqs = [rm_input_ids(rm.tokenizer, p, r, "raw") for p, r in TEXTS]
+    assert all(s[-1] == rm.tokenizer.eos_token_id for s in seqs)
+    from common.reward_model import right_pad
+    ids, mask = right_pad(seqs, rm.tokenizer.pad_token_id, CPU)
+    with torch.no_grad():
+        theirs = rm.model(input_ids=ids, attention_mask=mask).logits[:, 0]
+        at_last = sequence_scores(rm.model, ids, mask)  # the end-of-sequence token
+    L = max(len(s) for s in seqs)
+    bound = fp32_rounding_bound(rm.model.config, L, L, backward=False) * theirs.abs().max()
+    assert (ours - theirs).abs().max() <= bound
+    assert (at_last - theirs).abs().max() > 100 * bound  # the test sees the other position
+
+
+def test_a_model_trained_here_is_read_where_it_was_trained(small_rm, pad_is_eos_rm, tmp_path):
+    """tasks/reward_model.py records in reward_model.json that it trains at the last token; a model with that record
+    is read there even where its pad token is its end-of-sequence token (one trained before the record too); a
+    record of another rule is refused in one line."""
+    _, info = small_rm
+    assert info["score_token"] == "last"
+    out = str(tmp_path / "trained_here")
+    shutil.copytree(pad_is_eos_rm, out)
+    for record in ({"format": "raw", "score_token": "last"}, {"format": "raw"}):
+        with open(os.path.join(out, "reward_model.json"), "w") as f:
+            json.dump(record, f)
+        rm = RewardModel(out, "raw", "fp32", CPU, 10 ** 6)
+        assert rm.skip_id is None and "as it was trained" in rm.describe()
+        for p, r in TEXTS:
+            ids = torch.tensor([rm_input_ids(rm.tokenizer, p, r, "raw")])
+            with torch.no_grad():
+                want = sequence_scores(rm.model, ids, torch.ones_like(ids))
+            assert rm.score([p], [r]) == pytest.approx(want.tolist(), rel=1e-5, abs=1e-6)
+    with open(os.path.join(out, "reward_model.json"), "w") as f:
+        json.dump({"format": "raw", "score_token": "first"}, f)
+    with pytest.raises(ValueError, match="score_token is \"first\", not one of last, last_non_pad"):
+        check_reward_model(flags(out), "{problem}")
+
+
+def test_the_score_head_runs_in_fp32_under_autocast(small_rm):
+    """The trainer's --precision bf16 runs the forward under bf16 autocast: the head's product is fp32 all the same
+    (autocast alone would run F.linear in bf16 and round every score to 8 bits of mantissa)."""
+    path, _ = small_rm
+    rm = RewardModel(path, "raw", "fp32", CPU, 10 ** 6)
+    from common.reward_model import right_pad
+    ids, mask = right_pad([rm_input_ids(rm.tokenizer, p, r, "raw") for p, r in TEXTS], 0, CPU)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        score_B, hidden_BLH = sequence_scores(rm.model, ids, mask, return_hidden=True)
+    assert score_B.dtype == torch.float32
+    h_BH = hidden_BLH[torch.arange(len(TEXTS)), mask.sum(-1) - 1].float()
+    want_B = h_BH @ rm.model.score.weight.float()[0]
+    torch.testing.assert_close(score_B, want_B, rtol=1e-5, atol=1e-6)  # bf16 rounding is ~4e-3 of a score
+
+
 def test_too_long_inputs_are_not_run(small_rm):
     path, _ = small_rm
     rm = RewardModel(path, "raw", "fp32", CPU, 4096)
@@ -203,7 +333,7 @@ def test_rewards_use_the_score_and_log_its_statistics(small_rm, process_group):
     reward = step_reward("exact", -0.5, flags(path))
     rewards, correct, failures, m = score(reward, problems, responses, answers, finished)
     direct = RewardModel(path, "raw", "fp32", CPU, 4096).score(problems[:4], responses[:4])
-    assert rewards == direct + [-0.5]
+    assert rewards == direct + [min(direct + [-0.5])]
     assert correct == [exact_match_reward(r, a) * f for r, a, f in zip(responses, answers, finished)]
     assert failures == 0
     d = torch.tensor(direct, dtype=torch.float64)
@@ -249,12 +379,33 @@ def test_a_nan_score_is_a_reward_failure(nan_rm, process_group):
     reward = step_reward("exact", 0.0, flags(nan_rm))
     rewards, correct, failures, m = score(reward, ["1+1=", "4+5=", "1+2="], ["2", "9", "3"], ["2", "9", "3"],
                                           [True, True, True])
-    assert failures == 1 and rewards[1] == 0.0
+    assert failures == 1 and rewards[1] == min(rewards[0], rewards[2], 0.0)
     assert all(math.isfinite(r) for r in rewards) and correct == [1.0, 1.0, 1.0]
     assert m["reward_model/score_mean"] == pytest.approx((rewards[0] + rewards[2]) / 2)
     every = score(reward, ["9+9="], ["18"], ["18"], [True])
     with pytest.raises(TrainingFault, match="every reward check"):
         check_step_rewards(1, every[2], 1, CPU)
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_a_cut_or_failed_response_gets_the_steps_lowest_normalized_reward(nan_rm, process_group, clip, capfd):
+    """With --rm-normalize a fixed --truncated-reward 0 is the running mean, no penalty: a cut response and one whose
+    score failed (NaN: the digit 9) get the step's lowest reward instead, after normalization (and the clip), below
+    the mean; a lower --truncated-reward is taken as it is; a step with nothing scored gets --truncated-reward."""
+    problems, responses = ["1+1=", "4+5=", "1+2=", "47+38=", "1+1="], ["2", "9", "3", "85", "11111111"]
+    finished = [True, True, True, True, False]
+    rewards, _, failures, m = score(step_reward("exact", 0.0, flags(nan_rm, rm_normalize=True, rm_clip=clip)),
+                                    problems, responses, ["2", "9", "3", "85", "2"], finished)
+    said = "gets the step's lowest reward (normalized" + (" and clipped)" if clip else ")")
+    assert said + ", or --truncated-reward 0 when that is lower" in capfd.readouterr().out  # at start
+    scored = [rewards[i] for i in (0, 2, 3)]
+    assert failures == 1 and rewards[1] == rewards[4] == min(scored) < 0
+    assert len(set(scored)) == 3  # the scores differ: a penalty of the highest or the middle one would show
+    rewards, _, _, _ = score(step_reward("exact", -5.0, flags(nan_rm, rm_normalize=True, rm_clip=clip)),
+                             problems, responses, ["2", "9", "3", "85", "2"], finished)
+    assert rewards[1] == rewards[4] == -5.0
+    every_cut = score(step_reward("exact", -2.0, flags(nan_rm, rm_normalize=True)), ["1+1="], ["2"], ["2"], [False])
+    assert every_cut[0] == [-2.0]
 
 
 def test_a_nan_forward_is_refused_before_training(nan_rm):
@@ -314,19 +465,20 @@ def _normalize_on_rank(rank, port, values, out):
     reward = step_reward("exact", 0.0, RewardModelFlags())
     reward.model, reward.learned = ListScorer(), RewardModelFlags(reward_model="x", rm_normalize=True)
     reward.norm = RunningMeanStd()
-    mine = values[rank]
+    mine = values[rank] + [0.0]  # and a cut response, not scored
     rewards, _, _, m = score(reward, ["1+1="] * len(mine), [str(v) for v in mine], ["2"] * len(mine),
-                             [True] * len(mine))
+                             [True] * (len(mine) - 1) + [False])
     out[rank, :len(mine)] = torch.tensor(rewards, dtype=torch.float64)
-    out[rank, 3:] = torch.tensor([m["reward_model/score_max"], m["reward_model/score_min"]], dtype=torch.float64)
+    out[rank, 4:] = torch.tensor([m["reward_model/score_max"], m["reward_model/score_min"]], dtype=torch.float64)
     dist.destroy_process_group()
 
 
 def test_normalization_statistics_are_global_over_ranks():
     """Two ranks with different numbers of scores each normalize by the mean and std of all of them, and log the
-    maximum and minimum of all of them."""
+    maximum and minimum of all of them; a cut response on either rank gets the lowest normalized score of all (rank
+    0's)."""
     values = [[1.0, 2.0], [3.0, 4.0, 10.0]]
-    out = torch.zeros(2, 5, dtype=torch.float64).share_memory_()
+    out = torch.zeros(2, 6, dtype=torch.float64).share_memory_()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -334,7 +486,8 @@ def test_normalization_statistics_are_global_over_ranks():
     every = torch.tensor(values[0] + values[1], dtype=torch.float64)
     want = (every - every.mean()) / torch.sqrt(every.var(unbiased=False) + 1e-8)
     torch.testing.assert_close(torch.cat([out[0, :2], out[1, :3]]), want)
-    assert out[:, 3].tolist() == [10.0, 10.0] and out[:, 4].tolist() == [1.0, 1.0]
+    torch.testing.assert_close(torch.stack([out[0, 2], out[1, 3]]), want.min().expand(2))
+    assert out[:, 4].tolist() == [10.0, 10.0] and out[:, 5].tolist() == [1.0, 1.0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -399,6 +552,41 @@ def test_reward_model_directories_of_the_wrong_shape(small_rm, tmp_path, change,
     with pytest.raises((ValueError, FileNotFoundError)) as e:
         check_reward_model(flags(rm_copy(path, str(tmp_path / "rm"), **change(cfg))), "{problem}")
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def openrlhf_copy(src, dst, architectures, normalize_reward=True, head="value_head"):
+    """The reward model src saved as OpenRLHF saves one: its scalar head under `head`, its config naming
+    `architectures` and holding normalize_reward (with the mean and std it divides by), no reward_model.json."""
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["architectures"] = architectures
+    if normalize_reward:
+        cfg.update(normalize_reward=True, mean=0.5, std=2.0)
+    rm_copy(src, dst, config=cfg)
+    os.remove(os.path.join(dst, "reward_model.json"))
+    weights = load_file(os.path.join(dst, "model.safetensors"))
+    weights[f"{head}.weight"] = weights.pop("score.weight")
+    save_file(weights, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("architectures, normalize_reward, head, says", [
+    (["Qwen2Model"], True, "value_head", "its head is value_head.weight"),
+    (["RewardModel"], True, "score", "its config.json has normalize_reward and names RewardModel"),
+    (["Qwen2ForSequenceClassification"], False, "value_head", "its head is value_head.weight"),
+], ids=["value_head", "score-head-normalize", "classifier-config-value-head"])
+def test_an_openrlhf_style_reward_model_is_refused_in_one_line(small_rm, tmp_path, architectures, normalize_reward,
+                                                               head, says):
+    """OpenRLHF saves its reward models with a value head (`value_head` by default) and normalize_reward in the
+    config: one line that says so and what is read, before anything loads. With a classifier's config, transformers
+    would load it with a new random `score` head and the run would train on noise."""
+    path, _ = small_rm
+    out = openrlhf_copy(path, str(tmp_path / "openrlhf"), architectures, normalize_reward, head)
+    with pytest.raises(ValueError) as e:
+        check_reward_model(flags(out), "{problem}")
+    msg = str(e.value)
+    assert "an OpenRLHF-style reward model" in msg and says in msg and "\n" not in msg, msg
+    assert "...ForSequenceClassification with one label and its head named `score`" in msg
 
 
 def test_a_script_refuses_a_reward_model_whose_config_is_a_list(small_rm, tmp_path):
