@@ -48,6 +48,15 @@ def test_every_script_has_the_kl_term():
     assert "grpo.py" in LOSS_SCRIPTS and "ppo.py" not in LOSS_SCRIPTS
 
 
+@pytest.mark.parametrize("value", ["-0.1", "nan", "inf"])
+def test_a_kl_coef_below_0_or_not_finite_is_refused(value):
+    """One line naming the flag (exit 2 through common/exits.py), before any model loads; in every script."""
+    for script in SCRIPTS:
+        mod = module(script)
+        with pytest.raises(ValueError, match=f"^--kl-coef {value}: must be finite and >= 0"):
+            mod.validate(mod.parse_args(["--kl-coef", value]), 1)
+
+
 @pytest.mark.parametrize("script", LOSS_SCRIPTS)
 def test_k3_value_and_gradient_by_hand(script):
     """k3 = exp(d) - d - 1, d = ref - logp: 1 - ln 2 at d = ln 2, ln 2 - 1/2 at -ln 2, 0 at 0; its gradient in logp
