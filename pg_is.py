@@ -286,8 +286,8 @@ def main(args: Args) -> None:
             old_logp = logprobs.recompute_logprobs(model, rollout, groups if recomputed else [], pad_id,
                                                    args.temperature, infra.logprob_chunk, device, stats)
             # KL: the reference's log-probs of the same micro-batches, no gradient (also where no recompute is due)
-            ref_logp = logprobs.recompute_logprobs(ref, rollout, groups, pad_id, args.temperature,
-                                                   infra.logprob_chunk, device) if ref else None
+            ref_BT = rollout.padded(logprobs.recompute_logprobs(ref, rollout, groups, pad_id, args.temperature,
+                                                                infra.logprob_chunk, device)) if ref else None
 
         # --- 4. the mismatch of the sampler's mu_logp and the trainer's old_logp, every response token
         mask_BT, mu_BT = rollout.mask(), rollout.padded(rollout.logprobs)
@@ -295,8 +295,7 @@ def main(args: Args) -> None:
         check_finite_logprobs(step, mask_BT, device, train_dtype, rollout_dtype, old_logp=old_BT, mu_logp=mu_BT)
         if recomputed:  # (with --mismatch-from first-minibatch: from the first mini-batch's forward, in 5)
             measure(stats, old_BT, mu_BT, mask_BT, args.is_threshold, True, TOKEN_CLIP)
-        ref_BT = rollout.padded(ref_logp) if ref else None  # KL: and how far pi_old is from the reference (kl_ref/*)
-        metrics.reference_kl(stats, old_BT, ref_BT, mask_BT)
+        metrics.reference_kl(stats, old_BT, ref_BT, mask_BT)  # KL: how far pi_old is from the reference (kl_ref/*)
 
         # --- 5. num_minibatches optimizer steps over the rollout batch (whole groups per mini-batch)
         with stats.phase("train"):

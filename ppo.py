@@ -470,8 +470,8 @@ def main(args: Args) -> None:
             old_logp = logprobs.recompute_logprobs(model, rollout, groups if recomputed else [], pad_id,
                                                    args.temperature, infra.logprob_chunk, device, stats)
             # KL: the reference's log-probs of the same micro-batches, no gradient (also where no recompute is due)
-            ref_logp = logprobs.recompute_logprobs(ref, rollout, groups, pad_id, args.temperature,
-                                                   infra.logprob_chunk, device) if ref else None
+            ref_BT = rollout.padded(logprobs.recompute_logprobs(ref, rollout, groups, pad_id, args.temperature,
+                                                                infra.logprob_chunk, device)) if ref else None
             # PPO: and V_old with the critic (the values of GAE and of the value clip), also with --old-logp mu
             old_values = critic_values(critic, rollout, groups or batches.micro_batches(
                 rollout.seq_lens(), args.micro_batch_tokens, device), pad_id, device)  # PPO
@@ -483,8 +483,7 @@ def main(args: Args) -> None:
         if recomputed:  # (with --old-logp mu: from the first mini-batch's forward, in 5)
             args.corrections.measure(stats, old_BT, mu_BT, mask_BT)
         w_BT = args.corrections.weights(stats, old_BT, mu_BT, mask_BT)
-        ref_BT = rollout.padded(ref_logp) if ref else None  # KL: and how far pi_old is from the reference (kl_ref/*)
-        metrics.reference_kl(stats, old_BT, ref_BT, mask_BT)
+        metrics.reference_kl(stats, old_BT, ref_BT, mask_BT)  # KL: how far pi_old is from the reference (kl_ref/*)
         # PPO: per-token GAE advantages and returns from V_old, the advantages whitened over all ranks' response tokens
         values_BT = rollout.padded(old_values)
         kl_BT = kl_rewards(old_BT, ref_BT, mask_BT, args.kl_coef) if ref else None  # PPO, KL: in the reward
