@@ -6,7 +6,8 @@ summed over the mini-batch's response tokens and divided by their number (all ra
 zeroes the gradient of a token whose ratio leaves the range (often the rare tokens that fork a line of reasoning);
 CISPO only bounds its weight. No lower bound by default (the paper sets eps_low large: 1 - eps_low = 0), the upper
 at 5 (the cap that TRL recommends for its loss_type="cispo", after ScaleRL, arXiv 2510.13786; the paper gives no
-value). Advantages are GRPO's, normalized by the group's std (the paper's eq. 2; as gspo.py). No KL term, no entropy
+value). Advantages are GRPO's, normalized by the group's std (the paper's eq. 2; as gspo.py). No KL term (--kl-coef
+adds one), no entropy
 bonus. The rollout corrections and --old-logp are grpo.py's (corrections.py, docs/corrections.md): their weight
 multiplies each token's CISPO term. `diff grpo.py cispo.py` shows what CISPO changes; new lines are marked `# CISPO:`.
 
@@ -30,7 +31,7 @@ import torch
 
 from common import batches, cli, data, exact, logprobs, metrics, preflight, rewards, rundir
 from common.dist import print0, seed_everything, setup_distributed
-from common.fsdp import iter_full_state, load_policy
+from common.fsdp import iter_full_state, load_policy, load_reference
 from common.logger import Logger
 from common.precision import LossScaler, TrainingFault, check_finite_logprobs, resolve_precisions
 from common.sampler import make_sampler
@@ -96,6 +97,9 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
+    kl_coef: float = 0.0
+    """beta of a KL penalty to the reference policy, the run's starting weights (frozen): beta * k3 per token in the
+    loss, under the loss's normalizer (verl's use_kl_loss with low_var_kl); 0: none, and no reference is loaded"""
     eps_low: float = 1.0  # CISPO: no lower bound (arXiv 2506.13585 Sec. 3.1)
     """CISPO: lower bound 1 - eps_low on the importance weight r_it (1: none)"""
     eps_high: float = 4.0  # CISPO: a weight of at most 5 (TRL's recommendation for loss_type="cispo")
@@ -129,12 +133,24 @@ def std_advantages(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
     return ((r_GN - r_GN.mean(-1, keepdim=True)) / (r_GN.std(-1, keepdim=True) + 1e-6)).view(-1)
 
 
-def policy_loss(logp_BT, old_logp_BT, adv_B, weight_BT, mask_BT, eps_low: float, eps_high: float, num_tokens: float):
+def kl_k3(logp_BT, ref_logp_BT):
+    """KL: the per-token k3 estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta (Schulman 2020,
+    "Approximating KL Divergence"; verl's kl_penalty "low_var_kl"): k3 = exp(d) - d - 1 >= 0, d = ref_logp - logp,
+    with d clamped to [-20, 20] (exp stays finite) and k3 to at most 10, as verl does. As a loss term its gradient in
+    logp is (1 - exp(d)), which in expectation over pi_theta's samples is the gradient of KL(pi_ref || pi_theta)."""
+    d_BT = (ref_logp_BT - logp_BT).clamp(-20.0, 20.0)
+    return (torch.exp(d_BT) - d_BT - 1).clamp(max=10.0)
+
+
+def policy_loss(logp_BT, old_logp_BT, adv_B, weight_BT, mask_BT, eps_low: float, eps_high: float, num_tokens: float,
+                ref_logp_BT=None, kl_coef: float = 0.0):
     """CISPO's objective (arXiv 2506.13585 eq. 4-5), as a loss with its token-count normalizer:
-    loss = -(1/N_tok) sum_i sum_t m_it w_it sg[clip(r_it, 1-eps_low, 1+eps_high)] A_i logp_it, r_it = exp(logp - old_logp),
-    w_it the rollout correction's weight. N_tok is the mini-batch's response-token count over all ranks and
-    micro-batches, so summing this over micro-batches (and averaging gradients over ranks, each rank's loss times world
-    size) gives the same value whatever the split. Every token keeps a gradient, -w r_clipped A / N_tok on its logp.
+    loss = (1/N_tok) sum_i sum_t m_it (-w_it sg[clip(r_it, 1-eps_low, 1+eps_high)] A_i logp_it + beta k3_it),
+    r_it = exp(logp - old_logp), w_it the rollout correction's weight, beta k3_it the KL penalty to the reference
+    (kl_k3; only with ref_logp_BT, beta = kl_coef; the correction does not weight it). N_tok is the mini-batch's
+    response-token count over all ranks and micro-batches, so summing this over micro-batches (and averaging gradients
+    over ranks, each rank's loss times world size) gives the same value whatever the split. Every token keeps a
+    gradient, -w r_clipped A / N_tok on its logp.
     Returns (loss, {metric: (total, count)}: the means over these tokens of policy/clip_frac (tokens whose weight was
     clipped: unlike PPO's, their gradient stays) and policy/approx_kl, 0-d tensors that the step adds up)."""
     m = mask_BT.float()
@@ -142,6 +158,8 @@ def policy_loss(logp_BT, old_logp_BT, adv_B, weight_BT, mask_BT, eps_low: float,
     ratio_BT = torch.exp(log_ratio_BT.detach())
     w_clip_BT = ratio_BT.clamp(1 - eps_low, 1 + eps_high)  # sg[clip(r)]: a constant
     loss_BT = -(w_clip_BT * adv_B[:, None]) * logp_BT * weight_BT
+    if ref_logp_BT is not None:  # KL: beta * k3 per token, under the loss's normalizer (verl: use_kl_loss)
+        loss_BT = loss_BT + kl_coef * kl_k3(logp_BT, ref_logp_BT)
     loss = (loss_BT * m).sum() / num_tokens
     with torch.no_grad():
         clipped = (ratio_BT > 1 + eps_high) | (ratio_BT < 1 - eps_low)
@@ -198,6 +216,8 @@ def main(args: Args) -> None:
     model = load_policy(weights_path, train_dtype, device, infra.gradient_checkpointing,
                         cpu_offload=infra.cpu_offload, compile=infra.compile and not infra.exact)
     params = list(model.parameters())
+    # KL: the reference, the run's starting weights (not a resumed checkpoint's), frozen; loaded only with --kl-coef
+    ref = load_reference(model_path, train_dtype, device, infra.cpu_offload, infra.compile) if args.kl_coef else None
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     scaler = LossScaler(enabled=train_dtype == torch.float16, max_consecutive_skips=infra.max_skipped_steps)
     monitor = metrics.MismatchMonitor(infra.kl_warn_factor, infra.kl_baseline_steps, exact=infra.exact)  # warnings
@@ -247,9 +267,13 @@ def main(args: Args) -> None:
         # --exact only now and then (exact.recompute_due: old_logp is mu bit for bit, and the count checks it)
         recomputed = recompute and exact.recompute_due(infra, step, start_step + 1)
         with stats.phase("recompute"):
-            groups = batches.micro_batches(rollout.seq_lens(), args.micro_batch_tokens, device) if recomputed else []
-            old_logp = logprobs.recompute_logprobs(model, rollout, groups, pad_id, args.temperature,
-                                                   infra.logprob_chunk, device, stats)
+            groups = batches.micro_batches(rollout.seq_lens(), args.micro_batch_tokens, device) if recomputed or ref \
+                else []
+            old_logp = logprobs.recompute_logprobs(model, rollout, groups if recomputed else [], pad_id,
+                                                   args.temperature, infra.logprob_chunk, device, stats)
+            # KL: the reference's log-probs of the same micro-batches, no gradient (also where no recompute is due)
+            ref_BT = rollout.padded(logprobs.recompute_logprobs(ref, rollout, groups, pad_id, args.temperature,
+                                                                infra.logprob_chunk, device)) if ref else None
 
         # --- 4. the mismatch of the sampler's mu_logp and the trainer's old_logp, every response token; the weights
         mask_BT, mu_BT = rollout.mask(), rollout.padded(rollout.logprobs)
@@ -258,6 +282,7 @@ def main(args: Args) -> None:
         if recomputed:  # (with --old-logp mu: from the first mini-batch's forward, in 5)
             args.corrections.measure(stats, old_BT, mu_BT, mask_BT)
         w_BT = args.corrections.weights(stats, old_BT, mu_BT, mask_BT)
+        metrics.reference_kl(stats, old_BT, ref_BT, mask_BT)  # KL: how far pi_old is from the reference (kl_ref/*)
 
         # --- 5. num_minibatches optimizer steps over the rollout batch (whole groups per mini-batch)
         with stats.phase("train"):
@@ -271,8 +296,8 @@ def main(args: Args) -> None:
                     first = k == 0 and not recomputed  # before any update: these are pi_old's log-probs
                     logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, infra.logprob_chunk,
                                             with_entropy=first)
-                    old_mb, mu_mb, w_mb, adv_mb = batches.on_device(device, idx, rmask.shape[1],
-                                                                    old_BT, mu_BT, w_BT, adv_B)
+                    old_mb, mu_mb, w_mb, adv_mb, ref_mb = batches.on_device(device, idx, rmask.shape[1],
+                                                                            old_BT, mu_BT, w_BT, adv_B, ref_BT)
                     if first:  # the mismatch of this micro-batch, as step 4 measures it after a recompute
                         args.corrections.measure(stats, logp_BT.detach(), mu_mb, rmask)
                         stats.add("train/entropy", ent_BT.detach()[rmask].sum(), rmask.sum())
@@ -280,7 +305,8 @@ def main(args: Args) -> None:
                     keep_BT = args.corrections.keep(stats, old_mb if recompute else logp_BT.detach(),
                                                     logp_BT.detach(), mu_mb, adv_mb, rmask)
                     loss, loss_stats = policy_loss(logp_BT, old_mb, adv_mb, torch.where(keep_BT, w_mb, 0.0), rmask,
-                                                   args.eps_low, args.eps_high, max(num_tokens[k], 1.0))  # CISPO
+                                                   args.eps_low, args.eps_high, max(num_tokens[k], 1.0),  # CISPO
+                                                   ref_mb, args.kl_coef)
                     # FSDP averages gradients over ranks; times world_size makes that the global sum / N_tok
                     scaler.scale_loss(loss * world_size).backward()
                     stats.add("train/loss", loss.detach() / args.num_minibatches)  # the mini-batches' mean loss

@@ -2,9 +2,10 @@
 
 What it is: GRPO as in Dr.GRPO ("Understanding R1-Zero-Like Training", Liu et al. 2025): group-mean baseline without
 std, PPO clip with clip-higher (eps_low 0.2, eps_high 0.28, DAPO), token sums divided by a constant (the maximum
-response length), no KL term, no entropy bonus. The sampler's log-probs (mu) enter only through the rollout
-corrections (corrections.py, docs/corrections.md): a weight on each token's loss (--is-correction token-tis, seq-mis as
-in the FP16 study, arXiv 2510.26788, ...) and rejection rules (--is-reject, --is-veto). --old-logp mu: pi_old is mu.
+response length), no KL term (--kl-coef adds one, to the starting weights), no entropy bonus. The sampler's log-probs
+(mu) enter only through the rollout corrections (corrections.py, docs/corrections.md): a weight on each token's loss
+(--is-correction token-tis, seq-mis as in the FP16 study, arXiv 2510.26788, ...) and rejection rules (--is-reject,
+--is-veto). --old-logp mu: pi_old is mu.
 
     python grpo.py                                   # the built-in task: a tiny model learns addition, no downloads
     python grpo.py --precision bf16                  # the same in BF16, to see the mismatch grow
@@ -26,7 +27,7 @@ import torch
 
 from common import batches, cli, data, exact, logprobs, metrics, preflight, rewards, rundir
 from common.dist import print0, seed_everything, setup_distributed
-from common.fsdp import iter_full_state, load_policy
+from common.fsdp import iter_full_state, load_policy, load_reference
 from common.logger import Logger
 from common.precision import LossScaler, TrainingFault, check_finite_logprobs, resolve_precisions
 from common.sampler import make_sampler
@@ -92,6 +93,9 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
+    kl_coef: float = 0.0
+    """beta of a KL penalty to the reference policy, the run's starting weights (frozen): beta * k3 per token in the
+    loss, under the loss's normalizer (verl's use_kl_loss with low_var_kl); 0: none, and no reference is loaded"""
     eps_low: float = 0.2
     """PPO clip: lower bound 1 - eps_low on the ratio"""
     eps_high: float = 0.28
@@ -124,11 +128,21 @@ def drgrpo_advantages(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
     return (r_GN - r_GN.mean(-1, keepdim=True)).view(-1)
 
 
+def kl_k3(logp_BT, ref_logp_BT):
+    """KL: the per-token k3 estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta (Schulman 2020,
+    "Approximating KL Divergence"; verl's kl_penalty "low_var_kl"): k3 = exp(d) - d - 1 >= 0, d = ref_logp - logp,
+    with d clamped to [-20, 20] (exp stays finite) and k3 to at most 10, as verl does. As a loss term its gradient in
+    logp is (1 - exp(d)), which in expectation over pi_theta's samples is the gradient of KL(pi_ref || pi_theta)."""
+    d_BT = (ref_logp_BT - logp_BT).clamp(-20.0, 20.0)
+    return (torch.exp(d_BT) - d_BT - 1).clamp(max=10.0)
+
+
 def policy_loss(logp_BT, old_logp_BT, adv_B, weight_BT, mask_BT, eps_low: float, eps_high: float,
-                max_response_len: int, num_seqs: int):
+                max_response_len: int, num_seqs: int, ref_logp_BT=None, kl_coef: float = 0.0):
     """Dr.GRPO's clipped surrogate with the constant normalizer:
-    loss = (1/N_seq) sum_i sum_t m_it w_it l_it / L_max,  l_it = -min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i),
-    r_it = exp(logp - old_logp).
+    loss = (1/N_seq) sum_i sum_t m_it (w_it l_it + beta k3_it) / L_max,
+    l_it = -min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i), r_it = exp(logp - old_logp), beta k3_it the KL
+    penalty to the reference (kl_k3; only with ref_logp_BT, beta = kl_coef; the rollout corrections do not weight it).
     N_seq is the mini-batch's sequence count over all ranks and micro-batches, so summing this over micro-batches
     (and averaging gradients over ranks, each rank's loss times world size) gives the same value whatever the split.
     Returns (loss, {metric: (total, count)}: the means over these tokens of policy/clip_frac and policy/approx_kl, 0-d
@@ -140,6 +154,8 @@ def policy_loss(logp_BT, old_logp_BT, adv_B, weight_BT, mask_BT, eps_low: float,
     surr1 = ratio_BT * adv_BT
     surr2 = ratio_BT.clamp(1 - eps_low, 1 + eps_high) * adv_BT
     loss_BT = -torch.min(surr1, surr2) * weight_BT
+    if ref_logp_BT is not None:  # KL: beta * k3 per token, under the loss's normalizer (verl: use_kl_loss)
+        loss_BT = loss_BT + kl_coef * kl_k3(logp_BT, ref_logp_BT)
     loss = (loss_BT * m).sum() / max_response_len / num_seqs
     with torch.no_grad():
         clipped = ((adv_BT > 0) & (ratio_BT > 1 + eps_high)) | ((adv_BT < 0) & (ratio_BT < 1 - eps_low))
@@ -195,6 +211,8 @@ def main(args: Args) -> None:
     model = load_policy(weights_path, train_dtype, device, infra.gradient_checkpointing,
                         cpu_offload=infra.cpu_offload, compile=infra.compile and not infra.exact)
     params = list(model.parameters())
+    # KL: the reference, the run's starting weights (not a resumed checkpoint's), frozen; loaded only with --kl-coef
+    ref = load_reference(model_path, train_dtype, device, infra.cpu_offload, infra.compile) if args.kl_coef else None
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     scaler = LossScaler(enabled=train_dtype == torch.float16, max_consecutive_skips=infra.max_skipped_steps)
     monitor = metrics.MismatchMonitor(infra.kl_warn_factor, infra.kl_baseline_steps, exact=infra.exact)  # warnings
@@ -244,9 +262,13 @@ def main(args: Args) -> None:
         # --exact only now and then (exact.recompute_due: old_logp is mu bit for bit, and the count checks it)
         recomputed = recompute and exact.recompute_due(infra, step, start_step + 1)
         with stats.phase("recompute"):
-            groups = batches.micro_batches(rollout.seq_lens(), args.micro_batch_tokens, device) if recomputed else []
-            old_logp = logprobs.recompute_logprobs(model, rollout, groups, pad_id, args.temperature,
-                                                   infra.logprob_chunk, device, stats)
+            groups = batches.micro_batches(rollout.seq_lens(), args.micro_batch_tokens, device) if recomputed or ref \
+                else []
+            old_logp = logprobs.recompute_logprobs(model, rollout, groups if recomputed else [], pad_id,
+                                                   args.temperature, infra.logprob_chunk, device, stats)
+            # KL: the reference's log-probs of the same micro-batches, no gradient (also where no recompute is due)
+            ref_BT = rollout.padded(logprobs.recompute_logprobs(ref, rollout, groups, pad_id, args.temperature,
+                                                                infra.logprob_chunk, device)) if ref else None
 
         # --- 4. the mismatch of the sampler's mu_logp and the trainer's old_logp, every response token; the weights
         mask_BT, mu_BT = rollout.mask(), rollout.padded(rollout.logprobs)
@@ -255,6 +277,7 @@ def main(args: Args) -> None:
         if recomputed:  # (with --old-logp mu: from the first mini-batch's forward, in 5)
             args.corrections.measure(stats, old_BT, mu_BT, mask_BT)
         w_BT = args.corrections.weights(stats, old_BT, mu_BT, mask_BT)
+        metrics.reference_kl(stats, old_BT, ref_BT, mask_BT)  # KL: how far pi_old is from the reference (kl_ref/*)
 
         # --- 5. num_minibatches optimizer steps over the rollout batch (whole groups per mini-batch)
         with stats.phase("train"):
@@ -268,8 +291,8 @@ def main(args: Args) -> None:
                     first = k == 0 and not recomputed  # before any update: these are pi_old's log-probs
                     logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, infra.logprob_chunk,
                                             with_entropy=first)
-                    old_mb, mu_mb, w_mb, adv_mb = batches.on_device(device, idx, rmask.shape[1],
-                                                                    old_BT, mu_BT, w_BT, adv_B)
+                    old_mb, mu_mb, w_mb, adv_mb, ref_mb = batches.on_device(device, idx, rmask.shape[1],
+                                                                            old_BT, mu_BT, w_BT, adv_B, ref_BT)
                     if first:  # the mismatch of this micro-batch, as step 4 measures it after a recompute
                         args.corrections.measure(stats, logp_BT.detach(), mu_mb, rmask)
                         stats.add("train/entropy", ent_BT.detach()[rmask].sum(), rmask.sum())
@@ -277,7 +300,8 @@ def main(args: Args) -> None:
                     keep_BT = args.corrections.keep(stats, old_mb if recompute else logp_BT.detach(),
                                                     logp_BT.detach(), mu_mb, adv_mb, rmask)
                     loss, loss_stats = policy_loss(logp_BT, old_mb, adv_mb, torch.where(keep_BT, w_mb, 0.0), rmask,
-                                                   args.eps_low, args.eps_high, args.max_response_len, num_seqs)
+                                                   args.eps_low, args.eps_high, args.max_response_len, num_seqs,
+                                                   ref_mb, args.kl_coef)
                     # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
                     scaler.scale_loss(loss * world_size).backward()
                     stats.add("train/loss", loss.detach() / args.num_minibatches)  # the mini-batches' mean loss

@@ -6,8 +6,9 @@ s_i flowing through every token's logp; loss per sequence -min(s_i A_i, clip(s_i
 (eq. 5) with the paper's tiny clip range eps_low 3e-4, eps_high 4e-4 (Sec. 5.1); advantages A_i = (r_i - mean) /
 (std + 1e-6) over the group (eq. 6; std is torch.std's default, the unbiased estimate dividing by G - 1). The loss
 is the sum over the mini-batch's sequences divided by N_seq (all ranks and micro-batches): a mean over sequences, no
-L_max and no token count. No KL term, no entropy bonus. The sampler's log-probs (mu) enter only the mismatch metrics:
-no rollout correction, so the is/ keys are grpo.py's pi_old/mu diagnostics (as grpo.py with --is-correction none).
+L_max and no token count. No KL term (--kl-coef adds one), no entropy bonus. The sampler's log-probs (mu) enter
+only the mismatch metrics: no rollout correction, so the is/ keys are grpo.py's pi_old/mu diagnostics (as grpo.py
+with --is-correction none).
 policy/clip_frac is the fraction of sequences (not tokens) whose clip was active (their gradient is zero).
 
     python gspo.py                                   # the built-in task: a tiny model learns addition, no downloads
@@ -30,7 +31,7 @@ import torch
 
 from common import batches, cli, data, exact, logprobs, metrics, preflight, rewards, rundir
 from common.dist import print0, seed_everything, setup_distributed
-from common.fsdp import iter_full_state, load_policy
+from common.fsdp import iter_full_state, load_policy, load_reference
 from common.logger import Logger
 from common.precision import LossScaler, TrainingFault, check_finite_logprobs, resolve_precisions
 from common.sampler import make_sampler
@@ -96,6 +97,9 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
+    kl_coef: float = 0.0
+    """beta of a KL penalty to the reference policy, the run's starting weights (frozen): beta * k3 per token in the
+    loss, under the loss's normalizer (verl's use_kl_loss with low_var_kl); 0: none, and no reference is loaded"""
     eps_low: float = 3e-4  # GSPO: arXiv 2507.18071 Sec. 5.1
     """GSPO clip: lower bound 1 - eps_low on the sequence ratio s_i"""
     eps_high: float = 4e-4  # GSPO: arXiv 2507.18071 Sec. 5.1
@@ -128,10 +132,22 @@ def std_advantages(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
     return ((r_GN - r_GN.mean(-1, keepdim=True)) / (r_GN.std(-1, keepdim=True) + 1e-6)).view(-1)
 
 
-def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, eps_low: float, eps_high: float, num_seqs: int):
+def kl_k3(logp_BT, ref_logp_BT):
+    """KL: the per-token k3 estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta (Schulman 2020,
+    "Approximating KL Divergence"; verl's kl_penalty "low_var_kl"): k3 = exp(d) - d - 1 >= 0, d = ref_logp - logp,
+    with d clamped to [-20, 20] (exp stays finite) and k3 to at most 10, as verl does. As a loss term its gradient in
+    logp is (1 - exp(d)), which in expectation over pi_theta's samples is the gradient of KL(pi_ref || pi_theta)."""
+    d_BT = (ref_logp_BT - logp_BT).clamp(-20.0, 20.0)
+    return (torch.exp(d_BT) - d_BT - 1).clamp(max=10.0)
+
+
+def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, eps_low: float, eps_high: float, num_seqs: int,
+                ref_logp_BT=None, kl_coef: float = 0.0):
     """GSPO's sequence-level clipped surrogate (arXiv 2507.18071 eq. 5, 7):
-    loss = (1/N_seq) sum_i -min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i),
-    s_i = exp(sum_t m_it (logp - old_logp) / sum_t m_it), the gradient flowing through every token's logp.
+    loss = (1/N_seq) sum_i [-min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i) + beta mean_t k3_it],
+    s_i = exp(sum_t m_it (logp - old_logp) / sum_t m_it), the gradient flowing through every token's logp; beta
+    mean_t k3_it the KL penalty to the reference, a mean over the sequence's tokens as s_i is (kl_k3; only with
+    ref_logp_BT, beta = kl_coef).
     N_seq is the mini-batch's sequence count over all ranks and micro-batches, so summing this over micro-batches
     (and averaging gradients over ranks, each rank's loss times world size) gives the same value whatever the split.
     Returns (loss, {metric: (total, count)}: policy/clip_frac, a mean over these sequences, and policy/approx_kl, over
@@ -141,7 +157,10 @@ def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, eps_low: float, eps_high: 
     s_B = torch.exp(log_ratio_BT.sum(-1) / m.sum(-1).clamp(min=1.0))  # the geometric mean of the token ratios
     surr1 = s_B * adv_B
     surr2 = s_B.clamp(1 - eps_low, 1 + eps_high) * adv_B
-    loss = -torch.min(surr1, surr2).sum() / num_seqs
+    loss_B = -torch.min(surr1, surr2)
+    if ref_logp_BT is not None:  # KL: beta * k3, GSPO: a mean over each sequence's tokens (verl: seq-mean-token-mean)
+        loss_B = loss_B + kl_coef * (kl_k3(logp_BT, ref_logp_BT) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    loss = loss_B.sum() / num_seqs
     with torch.no_grad():
         clipped = ((adv_B > 0) & (s_B > 1 + eps_high)) | ((adv_B < 0) & (s_B < 1 - eps_low))
         stats = {"policy/clip_frac": (clipped.float().sum(), len(s_B)),  # GSPO: a fraction of sequences
@@ -194,6 +213,8 @@ def main(args: Args) -> None:
     model = load_policy(weights_path, train_dtype, device, infra.gradient_checkpointing,
                         cpu_offload=infra.cpu_offload, compile=infra.compile and not infra.exact)
     params = list(model.parameters())
+    # KL: the reference, the run's starting weights (not a resumed checkpoint's), frozen; loaded only with --kl-coef
+    ref = load_reference(model_path, train_dtype, device, infra.cpu_offload, infra.compile) if args.kl_coef else None
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     scaler = LossScaler(enabled=train_dtype == torch.float16, max_consecutive_skips=infra.max_skipped_steps)
     monitor = metrics.MismatchMonitor(infra.kl_warn_factor, infra.kl_baseline_steps, exact=infra.exact)  # warnings
@@ -243,9 +264,13 @@ def main(args: Args) -> None:
         # --exact only now and then (exact.recompute_due: old_logp is mu bit for bit, and the count checks it)
         recomputed = recompute and exact.recompute_due(infra, step, start_step + 1)
         with stats.phase("recompute"):
-            groups = batches.micro_batches(rollout.seq_lens(), args.micro_batch_tokens, device) if recomputed else []
-            old_logp = logprobs.recompute_logprobs(model, rollout, groups, pad_id, args.temperature,
-                                                   infra.logprob_chunk, device, stats)
+            groups = batches.micro_batches(rollout.seq_lens(), args.micro_batch_tokens, device) if recomputed or ref \
+                else []
+            old_logp = logprobs.recompute_logprobs(model, rollout, groups if recomputed else [], pad_id,
+                                                   args.temperature, infra.logprob_chunk, device, stats)
+            # KL: the reference's log-probs of the same micro-batches, no gradient (also where no recompute is due)
+            ref_BT = rollout.padded(logprobs.recompute_logprobs(ref, rollout, groups, pad_id, args.temperature,
+                                                                infra.logprob_chunk, device)) if ref else None
 
         # --- 4. the mismatch of the sampler's mu_logp and the trainer's old_logp, every response token
         mask_BT, mu_BT = rollout.mask(), rollout.padded(rollout.logprobs)
@@ -253,6 +278,7 @@ def main(args: Args) -> None:
         check_finite_logprobs(step, mask_BT, device, train_dtype, rollout_dtype, old_logp=old_BT, mu_logp=mu_BT)
         if recomputed:  # (with --old-logp mu: from the first mini-batch's forward, in 5)
             measure(stats, old_BT, mu_BT, mask_BT, args.is_threshold, seq_ratio=False)  # GSPO: diagnostics only
+        metrics.reference_kl(stats, old_BT, ref_BT, mask_BT)  # KL: how far pi_old is from the reference (kl_ref/*)
 
         # --- 5. num_minibatches optimizer steps over the rollout batch (whole groups per mini-batch)
         with stats.phase("train"):
@@ -266,12 +292,13 @@ def main(args: Args) -> None:
                     first = k == 0 and not recomputed  # before any update: these are pi_old's log-probs
                     logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, infra.logprob_chunk,
                                             with_entropy=first)
-                    old_mb, mu_mb, adv_mb = batches.on_device(device, idx, rmask.shape[1], old_BT, mu_BT, adv_B)
+                    old_mb, mu_mb, adv_mb, ref_mb = batches.on_device(device, idx, rmask.shape[1], old_BT, mu_BT,
+                                                                      adv_B, ref_BT)
                     if first:  # the mismatch of this micro-batch, as step 4 measures it after a recompute
                         measure(stats, logp_BT.detach(), mu_mb, rmask, args.is_threshold, seq_ratio=False)  # GSPO
                         stats.add("train/entropy", ent_BT.detach()[rmask].sum(), rmask.sum())
                     loss, loss_stats = policy_loss(logp_BT, old_mb, adv_mb, rmask, args.eps_low, args.eps_high,
-                                                   num_seqs)  # GSPO
+                                                   num_seqs, ref_mb, args.kl_coef)  # GSPO
                     # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
                     scaler.scale_loss(loss * world_size).backward()
                     stats.add("train/loss", loss.detach() / args.num_minibatches)  # the mini-batches' mean loss

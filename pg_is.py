@@ -3,7 +3,8 @@
 What it is: the FP16 study's policy gradient (arXiv 2510.26788, eq. 5; docs/algorithms.md): per-token loss
 l_it = -sg[rho_i] A_i logp_it, rho_i = exp(sum_t m_it (sg[logp_it] - mu_logp_it)) the *current* policy over the
 sampler's mu, so the weight corrects the mismatch and, on mini-batches 2..N, the policy's own drift. No PPO clip, no
-KL, no entropy bonus; --is-mode tis / mis: min(rho_i, C) / rho_i 1{rho_i <= C}. Advantages and aggregation as grpo.py.
+KL (--kl-coef adds one), no entropy bonus; --is-mode tis / mis: min(rho_i, C) / rho_i 1{rho_i <= C}. Advantages
+and aggregation as grpo.py.
 pi_old enters only the metrics (docs/metrics.md: the is/ keys differ from grpo.py's, no policy/clip_frac).
 
     python pg_is.py                                  # the built-in task: a tiny model learns addition, no downloads
@@ -27,7 +28,7 @@ import torch
 
 from common import batches, cli, data, exact, logprobs, metrics, preflight, rewards, rundir
 from common.dist import print0, seed_everything, setup_distributed
-from common.fsdp import iter_full_state, load_policy
+from common.fsdp import iter_full_state, load_policy, load_reference
 from common.logger import Logger
 from common.precision import LossScaler, TrainingFault, check_finite_logprobs, resolve_precisions
 from common.sampler import make_sampler
@@ -93,6 +94,9 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
+    kl_coef: float = 0.0
+    """beta of a KL penalty to the reference policy, the run's starting weights (frozen): beta * k3 per token in the
+    loss, under the loss's normalizer (verl's use_kl_loss with low_var_kl); 0: none, and no reference is loaded"""
     # PG-Seq-IS: no eps_low / eps_high (no PPO clip); --is-mode replaces --is-correction
     is_mode: Literal["is", "tis", "mis"] = "is"
     """sequence weight of the policy gradient, rho = prod_t pi_theta/mu (current policy, no gradient; arXiv
@@ -149,10 +153,21 @@ def seq_importance_weights(logp_BT, mu_logp_BT, mask_BT, is_mode: str, threshold
     raise ValueError(f"unknown is_mode {is_mode!r}")
 
 
+def kl_k3(logp_BT, ref_logp_BT):
+    """KL: the per-token k3 estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta (Schulman 2020,
+    "Approximating KL Divergence"; verl's kl_penalty "low_var_kl"): k3 = exp(d) - d - 1 >= 0, d = ref_logp - logp,
+    with d clamped to [-20, 20] (exp stays finite) and k3 to at most 10, as verl does. As a loss term its gradient in
+    logp is (1 - exp(d)), which in expectation over pi_theta's samples is the gradient of KL(pi_ref || pi_theta)."""
+    d_BT = (ref_logp_BT - logp_BT).clamp(-20.0, 20.0)
+    return (torch.exp(d_BT) - d_BT - 1).clamp(max=10.0)
+
+
 def policy_loss(logp_BT, old_logp_BT, mu_logp_BT, adv_B, mask_BT, is_mode: str, threshold: float,
-                max_response_len: int, num_seqs: int):
+                max_response_len: int, num_seqs: int, ref_logp_BT=None, kl_coef: float = 0.0):
     """PG-Seq-IS with Dr.GRPO's constant normalizer (arXiv 2510.26788 eq. 5):
-    loss = (1/N_seq) sum_i sum_t m_it l_it / L_max,  l_it = -sg[w_i] A_i logp_it,  w_i from seq_importance_weights.
+    loss = (1/N_seq) sum_i sum_t m_it (l_it + beta k3_it) / L_max,  l_it = -sg[w_i] A_i logp_it,  w_i from
+    seq_importance_weights, beta k3_it the KL penalty to the reference (kl_k3; only with ref_logp_BT, beta = kl_coef;
+    w_i does not weight it).
     N_seq is the mini-batch's sequence count over all ranks and micro-batches, so summing this over micro-batches
     (and averaging gradients over ranks, each rank's loss times world size) gives the same value whatever the split.
     old_logp enters only policy/approx_kl (None: not computed). Returns (loss, {metric: (total, count)}: the is/ keys,
@@ -161,6 +176,8 @@ def policy_loss(logp_BT, old_logp_BT, mu_logp_BT, adv_B, mask_BT, is_mode: str, 
     m = mask_BT.float()
     w_B, log_rho_B = seq_importance_weights(logp_BT.detach(), mu_logp_BT, m, is_mode, threshold)
     loss_BT = -(w_B * adv_B)[:, None] * logp_BT
+    if ref_logp_BT is not None:  # KL: beta * k3 per token, under the loss's normalizer (verl: use_kl_loss)
+        loss_BT = loss_BT + kl_coef * kl_k3(logp_BT, ref_logp_BT)
     loss = (loss_BT * m).sum() / max_response_len / num_seqs
     with torch.no_grad():
         rho_B = torch.exp(log_rho_B.clamp(max=LOG_RHO_MAX))  # capped as --is-mode is caps it (an inf: a useless mean)
@@ -219,6 +236,8 @@ def main(args: Args) -> None:
     model = load_policy(weights_path, train_dtype, device, infra.gradient_checkpointing,
                         cpu_offload=infra.cpu_offload, compile=infra.compile and not infra.exact)
     params = list(model.parameters())
+    # KL: the reference, the run's starting weights (not a resumed checkpoint's), frozen; loaded only with --kl-coef
+    ref = load_reference(model_path, train_dtype, device, infra.cpu_offload, infra.compile) if args.kl_coef else None
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     scaler = LossScaler(enabled=train_dtype == torch.float16, max_consecutive_skips=infra.max_skipped_steps)
     monitor = metrics.MismatchMonitor(infra.kl_warn_factor, infra.kl_baseline_steps, exact=infra.exact)  # warnings
@@ -268,9 +287,13 @@ def main(args: Args) -> None:
         # --exact only now and then (exact.recompute_due: old_logp is mu bit for bit, and the count checks it)
         recomputed = recompute and exact.recompute_due(infra, step, start_step + 1)
         with stats.phase("recompute"):
-            groups = batches.micro_batches(rollout.seq_lens(), args.micro_batch_tokens, device) if recomputed else []
-            old_logp = logprobs.recompute_logprobs(model, rollout, groups, pad_id, args.temperature,
-                                                   infra.logprob_chunk, device, stats)
+            groups = batches.micro_batches(rollout.seq_lens(), args.micro_batch_tokens, device) if recomputed or ref \
+                else []
+            old_logp = logprobs.recompute_logprobs(model, rollout, groups if recomputed else [], pad_id,
+                                                   args.temperature, infra.logprob_chunk, device, stats)
+            # KL: the reference's log-probs of the same micro-batches, no gradient (also where no recompute is due)
+            ref_BT = rollout.padded(logprobs.recompute_logprobs(ref, rollout, groups, pad_id, args.temperature,
+                                                                infra.logprob_chunk, device)) if ref else None
 
         # --- 4. the mismatch of the sampler's mu_logp and the trainer's old_logp, every response token
         mask_BT, mu_BT = rollout.mask(), rollout.padded(rollout.logprobs)
@@ -278,6 +301,7 @@ def main(args: Args) -> None:
         check_finite_logprobs(step, mask_BT, device, train_dtype, rollout_dtype, old_logp=old_BT, mu_logp=mu_BT)
         if recomputed:  # (with --mismatch-from first-minibatch: from the first mini-batch's forward, in 5)
             measure(stats, old_BT, mu_BT, mask_BT, args.is_threshold, True, TOKEN_CLIP)
+        metrics.reference_kl(stats, old_BT, ref_BT, mask_BT)  # KL: how far pi_old is from the reference (kl_ref/*)
 
         # --- 5. num_minibatches optimizer steps over the rollout batch (whole groups per mini-batch)
         with stats.phase("train"):
@@ -291,7 +315,8 @@ def main(args: Args) -> None:
                     first = k == 0 and not recomputed  # before any update: these are pi_old's log-probs
                     logp_BT, ent_BT = model(ids, attn, rmask, args.temperature, infra.logprob_chunk,
                                             with_entropy=first)
-                    old_mb, mu_mb, adv_mb = batches.on_device(device, idx, rmask.shape[1], old_BT, mu_BT, adv_B)
+                    old_mb, mu_mb, adv_mb, ref_mb = batches.on_device(device, idx, rmask.shape[1], old_BT, mu_BT,
+                                                                      adv_B, ref_BT)
                     if first:  # the mismatch of this micro-batch, as step 4 measures it after a recompute
                         measure(stats, logp_BT.detach(), mu_mb, rmask, args.is_threshold, True, TOKEN_CLIP)  # PG-Seq-IS
                         stats.add("train/entropy", ent_BT.detach()[rmask].sum(), rmask.sum())
@@ -299,7 +324,7 @@ def main(args: Args) -> None:
                     # approx KL without pi_old of mini-batches 2..N
                     loss, loss_stats, rho_max = policy_loss(logp_BT, old_mb if recompute else None, mu_mb, adv_mb,
                                                             rmask, args.is_mode, args.is_threshold,
-                                                            args.max_response_len, num_seqs)
+                                                            args.max_response_len, num_seqs, ref_mb, args.kl_coef)
                     stats.max("is/ratio_max", rho_max)  # PG-Seq-IS
                     # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
                     scaler.scale_loss(loss * world_size).backward()

@@ -2,8 +2,9 @@
 
 What it is: PPO as the FP16 study runs it (arXiv 2510.26788; docs/algorithms.md): a critic initialized from the
 policy's weights with a scalar value head, per-token GAE advantages (gamma = lambda = 1) whitened over the rollout
-batch's response tokens, grpo.py's clipped surrogate and normalizer on them, a value loss clipped at 0.2, no KL, no
-entropy bonus; the rollout corrections as grpo.py's (no opsm). New lines are marked `# PPO:`.
+batch's response tokens, grpo.py's clipped surrogate and normalizer on them, a value loss clipped at 0.2, no KL
+(--kl-coef adds InstructGPT's, in the reward), no entropy bonus; the rollout corrections as grpo.py's (no opsm). New
+lines are marked `# PPO:`.
 
     python ppo.py                                    # the built-in task: a tiny model learns addition, no downloads
     python ppo.py --precision bf16                   # the same in BF16, to see the mismatch grow
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 from common import batches, cli, data, exact, logprobs, metrics, preflight, rewards, rundir
 from common.dist import print0, reduce_stats, seed_everything, setup_distributed
-from common.fsdp import full_tensor, iter_full_state, load_policy, load_sharded
+from common.fsdp import full_tensor, iter_full_state, load_policy, load_reference, load_sharded
 from common.logger import Logger
 from common.precision import LossScaler, TrainingFault, check_finite_logprobs, resolve_precisions
 from common.sampler import make_sampler
@@ -98,6 +99,9 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
+    kl_coef: float = 0.0  # PPO: in the reward, not the loss
+    """beta of a KL penalty to the reference policy, the run's starting weights (frozen): -beta (old_logp - ref_logp)
+    added to every response token's reward before GAE (InstructGPT); 0: none, and no reference is loaded"""
     eps_low: float = 0.2
     """PPO clip: lower bound 1 - eps_low on the ratio"""
     eps_high: float = 0.28
@@ -136,11 +140,21 @@ BUILTIN = dict(num_steps=100, num_prompts=128, group_size=4, num_minibatches=2, 
 # ----------------------------------------------------------------------------------------------------------------
 # The algorithm: pure functions, importable without side effects.
 
+def kl_rewards(old_logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, mask_BT: torch.Tensor,
+               kl_coef: float) -> torch.Tensor:
+    """PPO, KL: InstructGPT's penalty in the reward (Ouyang et al. 2022, eq. 2, after Ziegler et al. 2019): every
+    response token's reward gets -beta (log pi_old - log pi_ref), its k1 estimate of KL(pi_old || pi_ref) (pi_old
+    sampled the tokens), so that the sequence's return holds r_i - beta log(pi_old(y|x) / pi_ref(y|x)). A reward: no
+    gradient flows through it. Returns kl_rewards_BT, 0 off-mask."""
+    return -kl_coef * (old_logp_BT - ref_logp_BT) * mask_BT.float()
+
+
 def gae_advantages(rewards_B: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float,
-                   lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   lam: float, token_rewards_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO: per-token GAE (Schulman et al. 2016, "High-Dimensional Continuous Control Using GAE", eq. 16). The terminal
-    reward r_i is the reward of the last response token, every other token's is 0, and the value after the last
-    token is 0:  delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lam A_{t+1},  R_t = A_t + V_t.
+    reward r_i is the reward of the last response token, every other token's is 0 (plus token_rewards_BT, the KL
+    penalty of kl_rewards, when given), and the value after the last token is 0:  delta_t = r_t + gamma V_{t+1} - V_t,
+    A_t = delta_t + gamma lam A_{t+1},  R_t = A_t + V_t.
     values_BT (V_old) and mask_BT in the left-aligned response layout. Returns (adv_BT, returns_BT), 0 off-mask."""
     m = mask_BT.float()
     V_BT = values_BT * m
@@ -149,6 +163,8 @@ def gae_advantages(rewards_B: torch.Tensor, values_BT: torch.Tensor, mask_BT: to
     next_v_B, next_adv_B = torch.zeros_like(V_BT[:, 0]), torch.zeros_like(V_BT[:, 0])  # 0 after the last token
     for t in reversed(range(V_BT.shape[1])):
         r_B = torch.where(last_B == t, rewards_B.float(), torch.zeros_like(next_v_B))
+        if token_rewards_BT is not None:  # KL: the per-token penalty (kl_rewards)
+            r_B = r_B + token_rewards_BT[:, t] * m[:, t]
         delta_B = r_B + gamma * next_v_B - V_BT[:, t]
         adv_BT[:, t] = (delta_B + gamma * lam * next_adv_B) * m[:, t]
         next_v_B, next_adv_B = V_BT[:, t], adv_BT[:, t]  # both 0 past a sequence's end (left-aligned layout)
@@ -207,11 +223,13 @@ def value_loss(values_BT, old_values_BT, returns_BT, mask_BT, value_clip: float,
     return loss, stats
 
 
-def ppo_advantages(stats, rewards_B, values_BT, mask_BT, gamma: float, lam: float, device=None):
+def ppo_advantages(stats, rewards_B, values_BT, mask_BT, gamma: float, lam: float, device=None,
+                   token_rewards_BT=None):
     """PPO: (adv_BT, returns_BT), the GAE advantages whitened over all ranks' response tokens and the returns
-    R = A + V_old (before whitening); and the critic's keys of V_old into stats: critic/value_mean, /return_mean,
-    /explained_variance, /adv_std_raw (the raw advantages' spread)."""
-    adv_raw_BT, returns_BT = gae_advantages(rewards_B, values_BT, mask_BT, gamma, lam)
+    R = A + V_old (before whitening), token_rewards_BT (the KL penalty, or None) added to the rewards; and the critic's
+    keys of V_old into stats: critic/value_mean, /return_mean, /explained_variance, /adv_std_raw (the raw advantages'
+    spread)."""
+    adv_raw_BT, returns_BT = gae_advantages(rewards_B, values_BT, mask_BT, gamma, lam, token_rewards_BT)
     adv_BT, adv_std_raw = whiten_advantages(adv_raw_BT, mask_BT, device)
     stats.add("critic/value_mean", (values_BT * mask_BT).sum(), mask_BT.sum())
     stats.add("critic/return_mean", (returns_BT * mask_BT).sum(), mask_BT.sum())
@@ -388,6 +406,8 @@ def main(args: Args) -> None:
     model = load_policy(weights_path, train_dtype, device, infra.gradient_checkpointing,
                         cpu_offload=infra.cpu_offload, compile=infra.compile and not infra.exact)
     params = list(model.parameters())
+    # KL: the reference, the run's starting weights (not a resumed checkpoint's), frozen; loaded only with --kl-coef
+    ref = load_reference(model_path, train_dtype, device, infra.cpu_offload, infra.compile) if args.kl_coef else None
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     scaler = LossScaler(enabled=train_dtype == torch.float16, max_consecutive_skips=infra.max_skipped_steps)
     monitor = metrics.MismatchMonitor(infra.kl_warn_factor, infra.kl_baseline_steps, exact=infra.exact)  # warnings
@@ -445,9 +465,13 @@ def main(args: Args) -> None:
         # --exact only now and then (exact.recompute_due: old_logp is mu bit for bit, and the count checks it)
         recomputed = recompute and exact.recompute_due(infra, step, start_step + 1)
         with stats.phase("recompute"):
-            groups = batches.micro_batches(rollout.seq_lens(), args.micro_batch_tokens, device) if recomputed else []
-            old_logp = logprobs.recompute_logprobs(model, rollout, groups, pad_id, args.temperature,
-                                                   infra.logprob_chunk, device, stats)
+            groups = batches.micro_batches(rollout.seq_lens(), args.micro_batch_tokens, device) if recomputed or ref \
+                else []
+            old_logp = logprobs.recompute_logprobs(model, rollout, groups if recomputed else [], pad_id,
+                                                   args.temperature, infra.logprob_chunk, device, stats)
+            # KL: the reference's log-probs of the same micro-batches, no gradient (also where no recompute is due)
+            ref_BT = rollout.padded(logprobs.recompute_logprobs(ref, rollout, groups, pad_id, args.temperature,
+                                                                infra.logprob_chunk, device)) if ref else None
             # PPO: and V_old with the critic (the values of GAE and of the value clip), also with --old-logp mu
             old_values = critic_values(critic, rollout, groups or batches.micro_batches(
                 rollout.seq_lens(), args.micro_batch_tokens, device), pad_id, device)  # PPO
@@ -459,9 +483,11 @@ def main(args: Args) -> None:
         if recomputed:  # (with --old-logp mu: from the first mini-batch's forward, in 5)
             args.corrections.measure(stats, old_BT, mu_BT, mask_BT)
         w_BT = args.corrections.weights(stats, old_BT, mu_BT, mask_BT)
+        metrics.reference_kl(stats, old_BT, ref_BT, mask_BT)  # KL: how far pi_old is from the reference (kl_ref/*)
         # PPO: per-token GAE advantages and returns from V_old, the advantages whitened over all ranks' response tokens
         values_BT = rollout.padded(old_values)
-        adv_BT, returns_BT = ppo_advantages(stats, rewards_B, values_BT, mask_BT, args.gamma, args.lam, device)
+        kl_BT = kl_rewards(old_BT, ref_BT, mask_BT, args.kl_coef) if ref else None  # PPO, KL: in the reward
+        adv_BT, returns_BT = ppo_advantages(stats, rewards_B, values_BT, mask_BT, args.gamma, args.lam, device, kl_BT)
 
         # --- 5. num_minibatches optimizer steps over the rollout batch (whole groups per mini-batch)
         with stats.phase("train"):

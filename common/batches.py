@@ -50,10 +50,10 @@ class Rollout:
         stats.rate("perf/train_tok_s", float(sum(self.seq_lens())), "train")
 
 
-def on_device(device, idx: list[int], T: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
+def on_device(device, idx: list[int], T: int, *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     """Rows idx of each CPU tensor, B x T ones cut to their first T columns (a micro-batch's longest response), on
-    `device` without waiting for the GPU (common.logprobs.to_device)."""
-    return [to_device(t[idx, :T] if t.dim() > 1 else t[idx], device) for t in tensors]
+    `device` without waiting for the GPU (common.logprobs.to_device); None stays None (a tensor the run has not)."""
+    return [None if t is None else to_device(t[idx, :T] if t.dim() > 1 else t[idx], device) for t in tensors]
 
 
 def batch_problems(problems: list, step: int, num_prompts: int, rank: int, world_size: int, seed: int) -> list:

@@ -166,6 +166,7 @@ RANGES = {
     "is_threshold": (lambda x: _finite(x) and x > 0, "finite and > 0"),
     "truncated_reward": (_finite, "finite"),
     "kl_warn_factor": (lambda x: _finite(x) and x >= 0, "finite and >= 0 (0: off)"),
+    "kl_coef": (lambda x: _finite(x) and x >= 0, "finite and >= 0 (0: no KL term)"),
     "eval_temperature": (lambda x: _finite(x) and x >= 0, "finite and >= 0 (0: greedy)"),
     "eval_top_p": (lambda x: 0 < x <= 1, "in (0, 1]"),
     "vllm_gpu_memory_utilization": (lambda x: 0 < x <= 1, "in (0, 1]"),

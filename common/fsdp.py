@@ -40,8 +40,10 @@ def without_dropout(config) -> dict:
 
 
 def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool,
-                 attn_implementation: str = "sdpa", cpu_offload: bool = False, compile: bool = False) -> nn.Module:
-    """Build a Hugging Face causal LM with fp32 master weights and dropout off (without_dropout), wrap it (`wrap(lm)`
+                 attn_implementation: str = "sdpa", cpu_offload: bool = False, compile: bool = False,
+                 master_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Build a Hugging Face causal LM with fp32 master weights (`master_dtype`: a frozen model keeps its shards in its
+    compute precision, load_reference) and dropout off (without_dropout), wrap it (`wrap(lm)`
     -> the root module, e.g. PolicyModel), and shard it with FSDP2: each decoder layer, then the root (embedding,
     final norm, lm_head, what the wrapper adds). No rank holds the full model: each reads its own rows from the
     safetensors files (docs/scale.md, Loading); what the files do not hold (buffers, a value head) is built on every
@@ -50,7 +52,7 @@ def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device
     config = AutoConfig.from_pretrained(path)
     without_dropout(config)
     with _parameters_on_meta():
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+        lm = AutoModelForCausalLM.from_config(config, dtype=master_dtype, attn_implementation=attn_implementation)
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         lm.generation_config = GenerationConfig.from_pretrained(path)
     for m in lm.modules():
@@ -168,6 +170,17 @@ def load_policy(path: str, param_dtype: torch.dtype, device: torch.device, gradi
         return PolicyModel(lm)
     return load_sharded(path, wrap, param_dtype, device, gradient_checkpointing, attn_implementation, cpu_offload,
                         compile)
+
+
+def load_reference(path: str, param_dtype: torch.dtype, device: torch.device, cpu_offload: bool = False,
+                   compile: bool = False) -> PolicyModel:
+    """A frozen policy (the reference of a KL term): load_policy's model, sharded as the policy, its shards kept in
+    the compute precision `param_dtype` (half the bytes of fp32 masters in fp16/bf16), eval mode, no gradients, for
+    no optimizer; no activation checkpointing (it never runs a backward)."""
+    ref = load_sharded(path, lambda lm: PolicyModel(lm), param_dtype, device, False, cpu_offload=cpu_offload,
+                       compile=compile, master_dtype=param_dtype)
+    ref.requires_grad_(False)
+    return ref.eval()
 
 
 def tied_aliases(lm: nn.Module) -> dict[str, list[str]]:

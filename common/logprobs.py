@@ -67,17 +67,18 @@ class PolicyModel(nn.Module):
 
 
 def recompute_logprobs(model: PolicyModel, rollout, groups: list[list[int]], pad_id: int, temperature: float,
-                       chunk_size: int, device, stats) -> list[torch.Tensor]:
+                       chunk_size: int, device, stats=None) -> list[torch.Tensor]:
     """Step 3 of every script: the trainer's log-probs of each response of the rollout (common.batches.Rollout)
     without gradients, micro-batch by micro-batch (`groups`: lists of sequence indices, common.batches.micro_batches),
-    and train/entropy, the mean entropy over the response tokens, into stats. Returns one fp32 CPU tensor per
-    sequence, of its response's length."""
+    and train/entropy, the mean entropy over the response tokens, into stats (None: no entropy, as for the frozen
+    reference's log-probs). Returns one fp32 CPU tensor per sequence, of its response's length."""
     logp = [None] * len(rollout.response_ids)
     with torch.no_grad():
         for mb in groups:
             ids, attn, rmask = rollout.rows(mb, pad_id, device)
-            logp_BT, ent_BT = model(ids, attn, rmask, temperature, chunk_size, with_entropy=True)
-            stats.add("train/entropy", ent_BT[rmask].sum(), rmask.sum())
+            logp_BT, ent_BT = model(ids, attn, rmask, temperature, chunk_size, with_entropy=stats is not None)
+            if stats is not None:
+                stats.add("train/entropy", ent_BT[rmask].sum(), rmask.sum())
             logp_BT = logp_BT.cpu()  # one device-to-host copy per micro-batch, not one per row
             for row, i in enumerate(mb):
                 logp[i] = logp_BT[row, :len(rollout.response_ids[i])]

@@ -123,6 +123,21 @@ def mismatch(stats: StepStats, old_logp_BT: torch.Tensor, mu_logp_BT: torch.Tens
     stats.max("mismatch/logp_abs_diff_max", torch.where(mask_BT, d.abs(), float("-inf")).max())
 
 
+def reference_kl(stats: StepStats, old_logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor | None,
+                 mask_BT: torch.Tensor) -> None:
+    """The kl_ref/* keys of a run with --kl-coef into stats: how far pi_old, the policy that sampled the batch, has
+    moved from the frozen reference, over every response token (samples of pi_old): kl_ref/kl_k1 the mean log ratio
+    mean_t (old_logp - ref_logp), kl_ref/kl_k3 mean_t (exp(d) - 1 - d), d = ref_logp - old_logp, the non-negative
+    unbiased k3 estimate of KL(pi_old || ref). B x T fp32 on one device, mask_BT bool; ref_logp_BT None (no
+    --kl-coef): nothing."""
+    if ref_logp_BT is None:
+        return
+    m = mask_BT.float()
+    d = (ref_logp_BT - old_logp_BT) * m  # log ref - log pi_old, 0 off the mask
+    stats.add("kl_ref/kl_k1", (-d).sum(), m.sum())
+    stats.add("kl_ref/kl_k3", ((torch.expm1(d) - d) * m).sum(), m.sum())
+
+
 class MismatchMonitor:
     """Early warning of collapse: the mean kl_k3 of the last `window` steps over that of the first `window` (floored at
     `floor`), a warning past `factor` (docs/algorithms.md, "The collapse warning"). Its state goes into checkpoints."""

@@ -77,7 +77,9 @@ def plot_curves(series: list[tuple[str, list[dict]]], keys: list[str], out: str,
                 styles: dict | None = None, hlines: dict | None = None, title: str | None = None) -> None:
     """One panel per key, one line per (label, rows) series, x = step. smooth > 1 draws the trailing mean over that
     many steps (from the first full window on; evaluation keys, logged every few steps, are drawn raw). Up to 4
-    panels a row. styles: label -> matplotlib line kwargs; hlines: key -> y of a dashed reference line."""
+    panels a row. A series keeps its color in every panel, also where another series has no such key (the colors
+    follow the order of `series`). styles: label -> matplotlib line kwargs; hlines: key -> y of a dashed reference
+    line."""
     plt = _plt()
     ncols = min(4, len(keys))
     nrows = math.ceil(len(keys) / ncols)
@@ -87,7 +89,7 @@ def plot_curves(series: list[tuple[str, list[dict]]], keys: list[str], out: str,
     for ax, key in zip(axes.flat, keys):
         drawn = False
         window = 1 if key.startswith("eval/") else smooth
-        for label, rows in series:
+        for i, (label, rows) in enumerate(series):
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             if window > 1:
                 ys = trailing_mean([y for _, y in pts], window)
@@ -95,7 +97,8 @@ def plot_curves(series: list[tuple[str, list[dict]]], keys: list[str], out: str,
             if key in log_keys:
                 pts = [(s, y) for s, y in pts if y > 0 and math.isfinite(y)]
             if pts:
-                ax.plot([s for s, _ in pts], [y for _, y in pts], label=label, **(styles or {}).get(label, {}))
+                ax.plot([s for s, _ in pts], [y for _, y in pts], label=label,
+                        **{"color": f"C{i % 10}", **(styles or {}).get(label, {})})
                 drawn = True
         if key in log_keys and drawn:
             ax.set_yscale("log")

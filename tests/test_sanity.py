@@ -213,6 +213,22 @@ def test_plot_curves_rows_of_four_and_raw_evaluations(tmp_path, monkeypatch):
     assert list(visible[1].lines[0].get_xdata()) == [1, 2, 3, 4, 5, 6]
 
 
+
+def test_plot_curves_keeps_a_runs_color_where_another_run_lacks_the_key(tmp_path, monkeypatch):
+    """A run without a key (a baseline without kl_ref/*) leaves its color unused in that panel: the second run is
+    drawn in the second color in both panels (with matplotlib's color cycle it took the first where it was alone)."""
+    from sanity import report
+    plt, figs = report._plt(), []
+    monkeypatch.setattr(plt, "close", figs.append)
+    a = [{"step": s, "train/accuracy": 0.5} for s in range(1, 4)]
+    b = [{"step": s, "train/accuracy": 0.6, "kl_ref/kl_k3": 0.1} for s in range(1, 4)]
+    report.plot_curves([("a", a), ("b", b)], ["train/accuracy", "kl_ref/kl_k3"], str(tmp_path / "c.png"))
+    (fig,) = figs
+    acc, kl = fig.axes[:2]
+    assert [line.get_label() for line in kl.lines] == ["b"]
+    assert kl.lines[0].get_color() == acc.lines[1].get_color() != acc.lines[0].get_color()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the offline mismatch analysis
 

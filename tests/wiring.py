@@ -2,6 +2,7 @@
 
     python tests/wiring.py record OUT_JSON SCRIPT [args...]   # what the loss received, and what it returned
     torchrun --nproc_per_node N tests/wiring.py fixed SCRIPT [args...]   # a sampler that returns a fixed batch
+    python tests/wiring.py each OUT_JSON "SCRIPT args..." ["SCRIPT args..." ...]   # several runs, step 2 as --exact
 
 SCRIPT: grpo.py or a sibling (tests/conftest.py SCRIPTS).
 record: the sampler's mu is perturbed (a seeded +-1 nat per token, as tests/same_numbers.py does) so that the
@@ -9,11 +10,16 @@ rollout correction's weights are not 1, and every call of the script's policy_lo
 recorded: the weights and normalizers the loss received (those of its arguments the script's loss has), the loss it
 returned, the weights the correction computed (scripts with the rollout corrections).
 fixed: every rank's sampler answers each prompt with responses that depend on the prompt alone (not on the rank, the
-seed or the weights), with a fixed mu, so that 1 rank and N ranks train on the same global batch."""
+seed or the weights), with a fixed mu, so that 1 rank and N ranks train on the same global batch.
+each: the runs one after the other in this process (one start-up for all), step 2's recompute skipped as --exact
+skips it (common.exact.recompute_due); per run, how often the script loaded a reference (load_reference) and, in order,
+each step-3 forward's micro-batches: the trainer's recompute ("old") and the reference's ("ref", the call without
+stats)."""
 import importlib
 import inspect
 import json
 import os
+import shlex
 import sys
 import zlib
 
@@ -24,7 +30,9 @@ os.chdir(ROOT)
 import torch  # noqa: E402
 
 import common.dist  # noqa: E402
+import common.exact  # noqa: E402
 import common.hf_sampler  # noqa: E402
+import common.logprobs  # noqa: E402
 import corrections  # noqa: E402
 from common.batches import Rollout  # noqa: E402
 
@@ -122,10 +130,42 @@ def fixed(script: str, argv: list[str]) -> None:
     common.dist.cleanup_distributed()
 
 
+def each(out_json: str, runs: list[str]) -> None:
+    common.exact.recompute_due = lambda infra, step, first_step: step != 2  # as --exact skips it, on step 2
+    recompute, out = common.logprobs.recompute_logprobs, []
+
+    signature = inspect.signature(recompute)
+
+    def counted(*a, **k):
+        given = signature.bind(*a, **k).arguments
+        out[-1]["forwards"].append(["ref" if given.get("stats") is None else "old", len(given["groups"])])
+        return recompute(*a, **k)
+    common.logprobs.recompute_logprobs = counted
+    for cmd in runs:
+        script, *argv = shlex.split(cmd)
+        mod = script_module(script)
+        load = mod.load_reference
+        out.append({"run": cmd, "reference_loads": 0, "forwards": []})
+
+        def loaded(*a, **k):
+            out[-1]["reference_loads"] += 1
+            return load(*a, **k)
+        mod.load_reference = loaded
+        try:
+            mod.main(mod.parse_args(argv))
+        finally:
+            mod.load_reference = load
+            common.dist.cleanup_distributed()
+    with open(out_json, "w") as f:
+        json.dump(out, f)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "record":
         record(sys.argv[2], sys.argv[3], sys.argv[4:])
     elif sys.argv[1] == "fixed":
         fixed(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] == "each":
+        each(sys.argv[2], sys.argv[3:])
     else:
         raise SystemExit(__doc__)
