@@ -326,8 +326,7 @@ def _worker_main() -> None:
     import math_verify  # noqa: F401  (pay the slow import before saying ready)
 
     signal.signal(signal.SIGALRM, _on_alarm)
-    out.write("ready\n")
-    out.flush()
+    _say(out, "ready")
     for line in sys.stdin:
         try:
             job = json.loads(line)
@@ -339,11 +338,17 @@ def _worker_main() -> None:
             reply = "timeout"
         except BaseException:  # MemoryError, any math-verify/sympy error: not equal
             reply = "0"
-        try:
-            out.write(reply + "\n")
-            out.flush()
-        except BrokenPipeError:  # the trainer is gone (killed, or ended at once): nobody to answer, nothing to say
-            os._exit(0)
+        _say(out, reply)
+
+
+def _say(out, line: str) -> None:
+    """One line to the trainer; when the trainer is gone (killed, or ended at once, even before this worker said it
+    was ready), nobody is there to answer and there is nothing to say: exit quietly."""
+    try:
+        out.write(line + "\n")
+        out.flush()
+    except BrokenPipeError:
+        os._exit(0)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
