@@ -436,7 +436,9 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
                                 compile=compiled)
             if exact is not None:
                 from common.exact import enable_exact
-                enable_exact(model, *exact)
+                ex = enable_exact(model, *exact)
+                print0(f"[{now()}] exact: the trainer's cuBLAS: {ex.blas}; allocated with the model loaded (the "
+                       f"engine shut down): {torch.cuda.memory_allocated() / GIB:.2f} GiB")
             params = list(model.parameters())
             optimizer = torch.optim.AdamW(params, lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0)  # grpo.py's
             scaler = LossScaler(enabled=precision == "fp16")

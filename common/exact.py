@@ -208,8 +208,8 @@ def paged(x_NHD: torch.Tensor, pack: Pack) -> torch.Tensor:
 
 def padded_sdpa(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, pack: Pack, scale: float):
     """Causal attention of each row on its own tokens, through torch's scaled_dot_product_attention on the rows padded
-    back to B x max_len (right padding: a real query never sees a padded key). Differentiable: the attention's
-    backward recomputes with it, and the CPU reference uses it."""
+    back to B x max_len (right padding: a real query never sees a padded key). Differentiable: the CPU reference's
+    forward and backward (attention_backward)."""
     B, L, H = pack.batch, pack.max_len, q_NHD.shape[1]
 
     def pad(x):
@@ -226,6 +226,73 @@ def padded_sdpa(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, p
 # ----------------------------------------------------------------------------------------------------------------
 # The ops: forward = a kernel (vLLM's, or a torch reference on a CPU), backward = torch math
 
+def fused_on_gpu(fn):
+    """`fn` (a backward's element-wise fp32 math) compiled by torch.compile when called on CUDA tensors: Inductor fuses
+    it into a kernel or two instead of one pass over memory per op (the MLP's backward alone made a dozen fp32 copies
+    of N x intermediate_size), and lowers its mean and softmax itself, not through batch-invariant mode's Triton
+    overrides of aten. Plain torch on a CPU. The gradient need not be bitwise anything, only the forward."""
+    compiled = None
+
+    def call(*args):
+        nonlocal compiled
+        if not args[0].is_cuda:
+            return fn(*args)
+        if compiled is None:  # (automatic dynamic shapes: after the first recompile only the token count is a
+            compiled = torch.compile(fn)  # symbol; dynamic=True made every size one, and the MLP's kernel 5x slower)
+        return compiled(*args)
+    call.__wrapped__ = fn
+    return call
+
+
+@fused_on_gpu
+def rms_norm_backward(x, w, g, eps: float):
+    x32, g32 = x.float(), g.float()
+    r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    gw = g32 * w.float()
+    gx = r * gw - x32 * r.pow(3) * (gw * x32).mean(-1, keepdim=True)
+    grad_w = (g32 * x32 * r).reshape(-1, x.shape[-1]).sum(0)
+    return gx.to(x.dtype), grad_w.to(w.dtype)
+
+
+@fused_on_gpu
+def rope_backward(g, positions, cache, head_dim: int):
+    cos, sin = cache[positions].float().chunk(2, dim=-1)  # N x D/2 each
+    cos, sin = cos[:, None], sin[:, None]
+    g3 = g.float().reshape(g.shape[0], -1, head_dim)
+    g1, g2 = g3.chunk(2, dim=-1)
+    return torch.cat([g1 * cos + g2 * sin, g2 * cos - g1 * sin], dim=-1).reshape(g.shape).to(g.dtype)
+
+
+@fused_on_gpu
+def silu_and_mul_backward(x, g):
+    a, b = x.float().chunk(2, dim=-1)
+    s = torch.sigmoid(a)
+    g32 = g.float()
+    return torch.cat([g32 * b * s * (1 + a * (1 - s)), g32 * a * s], dim=-1).to(x.dtype)
+
+
+@fused_on_gpu
+def token_logprob_backward(x, targets, g):
+    grad = torch.softmax(x, dim=-1) * -g[:, None]
+    return grad.scatter_add(-1, targets[:, None], g[:, None])
+
+
+def attention_backward(q, k, v, g, pack, scale: float):
+    """Gradients of causal attention of each packed row on its own tokens. On a GPU: FlashAttention-2's varlen
+    backward in torch (aten::_flash_attention_backward, which takes grouped K/V heads as they are), after its forward
+    recomputes the output and log-sum-exp on the packed tokens; elsewhere (a CPU, fp64): padded_sdpa differentiated by
+    autograd. Either way not vLLM's FA3: the gradient need not be bitwise."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        q, k, v, g = (t.contiguous() for t in (q, k, v, g))
+        cu, L = pack.cu_seqlens, pack.max_len
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, L, L, 0.0, True, False,
+                                                                           scale=scale)
+        return torch.ops.aten._flash_attention_backward(g, q, k, v, out, lse, cu, cu, L, L, 0.0, True, rng, unused,
+                                                        scale=scale)
+    with torch.enable_grad():
+        q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+        return torch.autograd.grad(padded_sdpa(q_, k_, v_, pack, scale), (q_, k_, v_), g)
+
 class _RMSNorm(torch.autograd.Function):
     """y = x / sqrt(mean(x^2) + eps) * w; backward in fp32."""
     @staticmethod
@@ -237,12 +304,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        x32, g32 = x.float(), g.float()
-        r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        gw = g32 * w.float()
-        gx = r * gw - x32 * r.pow(3) * (gw * x32).mean(-1, keepdim=True)
-        grad_w = (g32 * x32 * r).reshape(-1, x.shape[-1]).sum(0)
-        return gx.to(x.dtype), grad_w.to(w.dtype), None, None
+        return *rms_norm_backward(x, w, g, ctx.eps), None, None
 
 
 class _Linear(torch.autograd.Function):
@@ -271,14 +333,8 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gq, gk):
         positions, cache = ctx.saved_tensors
-        cos, sin = cache[positions].float().chunk(2, dim=-1)  # N x D/2 each
-        cos, sin = cos[:, None], sin[:, None]
-
-        def unrotate(g):
-            g3 = g.float().reshape(g.shape[0], -1, ctx.head_dim)
-            g1, g2 = g3.chunk(2, dim=-1)
-            return torch.cat([g1 * cos + g2 * sin, g2 * cos - g1 * sin], dim=-1).reshape(g.shape).to(g.dtype)
-        return unrotate(gq), unrotate(gk), None, None, None, None
+        return (rope_backward(gq, positions, cache, ctx.head_dim), rope_backward(gk, positions, cache, ctx.head_dim),
+                None, None, None, None)
 
 
 class _SiluAndMul(torch.autograd.Function):
@@ -291,15 +347,11 @@ class _SiluAndMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
-        a, b = x.float().chunk(2, dim=-1)
-        s = torch.sigmoid(a)
-        g32 = g.float()
-        return torch.cat([g32 * b * s * (1 + a * (1 - s)), g32 * a * s], dim=-1).to(x.dtype), None
+        return silu_and_mul_backward(x, g), None
 
 
 class _Attention(torch.autograd.Function):
-    """Causal attention of each packed row on its own tokens; backward: recomputed through torch's SDPA on the padded
-    rows (padded_sdpa), the trainer's ordinary attention, differentiated by autograd."""
+    """Causal attention of each packed row on its own tokens; backward: attention_backward."""
     @staticmethod
     def forward(ctx, q, k, v, pack, scale, kernel):
         ctx.save_for_backward(q, k, v)
@@ -309,11 +361,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         q, k, v = ctx.saved_tensors
-        with torch.enable_grad():
-            q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
-            out = padded_sdpa(q_, k_, v_, ctx.pack, ctx.scale)
-            gq, gk, gv = torch.autograd.grad(out, (q_, k_, v_), g)
-        return gq, gk, gv, None, None, None
+        return *attention_backward(q, k, v, g, ctx.pack, ctx.scale), None, None, None
 
 
 class _Temperature(torch.autograd.Function):
@@ -338,9 +386,7 @@ class _TokenLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, targets = ctx.saved_tensors
-        grad = torch.softmax(x, dim=-1).mul_(-g[:, None])
-        grad[torch.arange(x.shape[0], device=x.device), targets] += g
-        return grad, None, None
+        return token_logprob_backward(x, targets, g), None, None
 
 
 class TorchKernels:
@@ -407,6 +453,7 @@ class ExactForward:
     def __init__(self, kernels, cos_sin_cache: torch.Tensor, page_size: int = 16, fused: bool = True):
         self.k, self.cos_sin_cache, self.page_size, self.fused = kernels, cos_sin_cache, page_size, fused
         self.tap = None
+        self.blas = "unchanged"  # what the trainer's cuBLAS runs with (enable_exact: trainer_blas)
 
     def install(self, lm) -> None:
         """Route each decoder layer's forward through the exact layer when it is called with exact=(self, pack), and
@@ -518,6 +565,50 @@ class ExactForward:
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 
 
+# What batch-invariant mode changes for the whole process that only the trainer's own cuBLAS matmuls (its backward)
+# read on Hopper, where vLLM's layers call the Triton matmul instead (enable_batch_invariant_mode): cuBLAS's workspaces
+# cut to 16 KiB and 1 KiB (no split-K), cuBLASLt preferred, reduced-precision reductions off. Read in
+# prepare_vllm_process, before the engine starts; put back by trainer_blas once it has.
+BLAS_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
+_trainer_blas_settings = None
+
+
+def blas_settings() -> dict:
+    m = torch.backends.cuda.matmul
+    return {"env": {name: os.environ.get(name) for name in BLAS_ENV},
+            "library": torch.backends.cuda.preferred_blas_library(),
+            "fp16_reduction": m.allow_fp16_reduced_precision_reduction,
+            "bf16_reduction": m.allow_bf16_reduced_precision_reduction}
+
+
+def trainer_blas() -> str:
+    """Give the trainer's matmuls back the cuBLAS settings they had before the engine started (its backward ran
+    1.7x the default's with vLLM's). vLLM's forward does not go through cuBLAS in this mode on Hopper, which the GPU
+    test's bitwise count after training checks. Returns what the trainer's cuBLAS runs with, for the log."""
+    saved = _trainer_blas_settings
+    if saved is None or not torch.cuda.is_available():
+        return "unchanged"
+    for name, value in saved["env"].items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    for reset in ("_cuda_resetCublasWorkspaceSize", "_cuda_resetCublasLtWorkspaceSize"):
+        if hasattr(torch._C, reset):  # (torch reads the sizes once, at its first matmul, unless told again)
+            getattr(torch._C, reset)()
+    torch._C._cuda_clearCublasWorkspaces()  # new ones, of the size now in force, at the next matmul
+    torch.backends.cuda.preferred_blas_library(saved["library"])
+    m = torch.backends.cuda.matmul
+    m.allow_fp16_reduced_precision_reduction = saved["fp16_reduction"]
+    m.allow_bf16_reduced_precision_reduction = saved["bf16_reduction"]
+    library = getattr(saved["library"], "name", saved["library"])
+    if hasattr(torch._C, "_cuda_getCublasLtWorkspaceSize"):
+        return (f"{library}, workspaces of {torch._C._cuda_getCublasWorkspaceSize() // 1024} KiB (cuBLAS) and "
+                f"{torch._C._cuda_getCublasLtWorkspaceSize() // 1024} KiB (cuBLASLt)")
+    env = ", ".join(f"{k}={v}" for k, v in saved["env"].items() if v is not None) or "neither variable set"
+    return f"{library}, workspaces from the environment as it was before the engine ({env})"
+
+
 def prepare_vllm_process(plan: ExactPlan) -> None:
     """Switch vLLM into batch-invariant mode and pin its model runner, for the whole process. Before vLLM is imported:
     modules read VLLM_BATCH_INVARIANT at import (triton_unified_attention.is_batch_invariant) and the C++ kernels
@@ -528,6 +619,9 @@ def prepare_vllm_process(plan: ExactPlan) -> None:
     if imported and os.environ.get(BATCH_INVARIANT_ENV) != "1":
         raise RuntimeError("--exact: vLLM was imported before its batch-invariant mode was switched on; call "
                            "common.exact.prepare_vllm_process before anything imports vllm")
+    global _trainer_blas_settings
+    if _trainer_blas_settings is None:
+        _trainer_blas_settings = blas_settings()
     os.environ[BATCH_INVARIANT_ENV] = "1"
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if plan.runner == "v2" else "0"
 
@@ -730,12 +824,14 @@ def describe(plan: ExactPlan, facts: dict) -> str:
 
 def enable_exact(model, plan: ExactPlan, facts: dict) -> ExactForward:
     """Put a PolicyModel (common/logprobs.py) into exact mode with the engine's facts (VLLMSampler.exact_facts):
-    vLLM's kernels, its RoPE cache and page size, the plan's trainer switches. Returns the ExactForward (also
+    vLLM's kernels, its RoPE cache and page size, the plan's trainer switches, and the trainer's cuBLAS settings back
+    (trainer_blas). Returns the ExactForward (also
     model.exact; set model.exact = None to go back to the default forward)."""
     ex = ExactForward(VllmKernels(plan), facts["rope_cache"].to(next(model.parameters()).device),
                       page_size=facts["block_size"], fused=plan.fused)
     ex.install(model.lm)
     model.exact = ex
+    ex.blas = trainer_blas()
     return ex
 
 
@@ -745,8 +841,8 @@ def attach(model, sampler) -> None:
     sampler that is not in exact mode."""
     plan = getattr(sampler, "exact_plan", None)
     if plan is not None:
-        enable_exact(model, plan, sampler.exact_facts)
-        print0(f"[exact] {describe(plan, sampler.exact_facts)}")
+        ex = enable_exact(model, plan, sampler.exact_facts)
+        print0(f"[exact] {describe(plan, sampler.exact_facts)}; the trainer's backward: cuBLAS ({ex.blas})")
 
 
 def recompute_due(infra, step: int, first_step: int) -> bool:

@@ -231,6 +231,48 @@ def test_batch_invariant_mode_must_come_before_vllm_is_imported(monkeypatch):
     assert os.environ["VLLM_BATCH_INVARIANT"] == "1" and os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
 
 
+def test_the_trainer_gets_its_cublas_settings_back_after_the_engine(monkeypatch):
+    """Batch-invariant mode cuts cuBLAS's workspaces, prefers cuBLASLt and turns reduced-precision reductions off for
+    the whole process (vLLM's enable_batch_invariant_mode); only the trainer's backward uses cuBLAS then, and it gets
+    back what the process had before the engine started: a user's own setting kept, vLLM's removed."""
+    import common.exact as exact
+    state, cleared = {"library": "Cublas"}, []
+
+    def preferred(backend=None):
+        if backend is not None:
+            state["library"] = backend
+        return state["library"]
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: cleared.append(1), raising=False)
+    for name in ("_cuda_resetCublasWorkspaceSize", "_cuda_resetCublasLtWorkspaceSize", "_cuda_getCublasLtWorkspaceSize"):
+        monkeypatch.delattr(torch._C, name, raising=False)  # (torch 2.11: no way to ask for the sizes again)
+    m = torch.backends.cuda.matmul
+    before = m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction
+    m.allow_fp16_reduced_precision_reduction = m.allow_bf16_reduced_precision_reduction = True
+    try:
+        _blas_given_back(monkeypatch, exact, state, cleared, preferred, m)
+    finally:
+        m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction = before
+
+
+def _blas_given_back(monkeypatch, exact, state, cleared, preferred, m):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the user's own
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "")
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE")
+    monkeypatch.setattr(exact, "_trainer_blas_settings", None)
+    assert exact.trainer_blas() == "unchanged"  # no engine was prepared: nothing to give back
+    monkeypatch.setattr(exact, "_trainer_blas_settings", exact.blas_settings())
+    os.environ.update(CUBLAS_WORKSPACE_CONFIG=":16:8", CUBLASLT_WORKSPACE_SIZE="1")  # what vLLM does
+    preferred("Cublaslt")
+    m.allow_fp16_reduced_precision_reduction = m.allow_bf16_reduced_precision_reduction = False
+    said = exact.trainer_blas()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and "CUBLASLT_WORKSPACE_SIZE" not in os.environ
+    assert state["library"] == "Cublas" and cleared == [1]
+    assert m.allow_fp16_reduced_precision_reduction and m.allow_bf16_reduced_precision_reduction
+    assert "Cublas" in said and "CUBLAS_WORKSPACE_CONFIG=:4096:8" in said
+
+
 def test_engine_arguments_and_the_engine_check():
     plan = ExactPlan(head_dim=128, attention="FLASH_ATTN")  # the default: CUDA graphs without torch.compile
     assert engine_kwargs(plan) == {"attention_config": {"backend": "FLASH_ATTN", "flash_attn_version": 3},

@@ -292,3 +292,53 @@ def test_grpo_with_vllm_on_gpu(small_model_dir, tmp_path, precision):
     print(f"\n[gpu] grpo --sampler vllm {precision}: step {last['time/step']:.2f}s (sample {last['time/sample']:.2f}, "
           f"recompute {last['time/recompute']:.2f}, train {last['time/train']:.2f}, sync {last['time/sync']:.3f}); "
           f"kl_k3 {kls}; sample {last['perf/sample_tok_s']:.0f} tok/s; GiB in use after {mem}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(128, 12, 2), (64, 14, 2)])
+def test_exact_backward_on_gpu(dtype, head_dim, heads, kv_heads):
+    """Exact mode's backward on a GPU (common/exact.py): FlashAttention-2's varlen backward on the packed tokens and
+    the element-wise backwards compiled by torch.compile, against the same math in fp64 (padded_sdpa under autograd,
+    the plain functions). Rows of mixed lengths, grouped K/V heads. Tolerances from the dtype's rounding: the
+    relative error of a gradient summed over a row stays within a few dozen units of its last place."""
+    from common.exact import (Pack, attention_backward, padded_sdpa, rms_norm_backward, rope_backward, rope_cache,
+                              silu_and_mul_backward, token_logprob_backward)
+    torch.manual_seed(0)
+    lens, resp = torch.tensor([300, 17, 129, 1, 64]), torch.tensor([200, 5, 100, 1, 30])
+    attn = (torch.arange(int(lens.max()))[None] < lens[:, None]).long().cuda()
+    ids = torch.randint(2, 40, attn.shape).cuda() * attn
+    rmask = (torch.arange(int(resp.max()))[None] < resp[:, None]).cuda()
+    pack = Pack(ids, attn, rmask)
+    N = int(lens.sum())
+    eps_rel = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
+
+    def close(got, want, ulps=64):  # max error against the reference, relative to its largest entry
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err < ulps * eps_rel, (float(err), ulps * eps_rel)
+
+    q, k, v, g = (torch.randn(N, h, head_dim, device="cuda", dtype=dtype) for h in (heads, kv_heads, kv_heads, heads))
+    got = attention_backward(q, k, v, g, pack, head_dim ** -0.5)
+    with torch.enable_grad():
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        want = torch.autograd.grad(padded_sdpa(q64, k64, v64, pack, head_dim ** -0.5), (q64, k64, v64), g.double())
+    for a, b in zip(got, want):
+        assert a.dtype == dtype and a.shape == b.shape
+        close(a, b)
+
+    x, w, gy = torch.randn(N, 256, device="cuda", dtype=dtype), torch.rand(256, device="cuda", dtype=dtype) + 0.5, \
+        torch.randn(N, 256, device="cuda", dtype=dtype)
+    for a, b in zip(rms_norm_backward(x, w, gy, 1e-6), rms_norm_backward.__wrapped__(x.double(), w.double(),
+                                                                                   gy.double(), 1e-6)):
+        close(a, b)
+    cache = rope_cache(head_dim, 512, 10000.0, dtype).cuda()
+    gq = torch.randn(N, heads * head_dim, device="cuda", dtype=dtype)
+    close(rope_backward(gq, pack.positions_N, cache, head_dim),
+          rope_backward.__wrapped__(gq.double(), pack.positions_N, cache.double(), head_dim))
+    xm, gm = torch.randn(N, 2 * 96, device="cuda", dtype=dtype), torch.randn(N, 96, device="cuda", dtype=dtype)
+    close(silu_and_mul_backward(xm, gm), silu_and_mul_backward.__wrapped__(xm.double(), gm.double()))
+    logits, targets = torch.randn(N, 1000, device="cuda") * 4, torch.randint(0, 1000, (N,), device="cuda")
+    glp = torch.randn(N, device="cuda")
+    want = token_logprob_backward.__wrapped__(logits.double(), targets, glp.double())
+    got = token_logprob_backward(logits, targets, glp)
+    assert got.dtype == torch.float32
+    assert (got.double() - want).abs().max() < 1e-5
