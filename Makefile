@@ -8,6 +8,8 @@
 # make sanity-real  the study's grid on the real model on one GPU with vLLM (docs/results.md: its results)
 # make sanity-cot   Qwen2.5 Coder 1.5B (MODEL= another) on the multi-step problems: its perfectible set, then grpo.py
 #                  at fp16 and bf16 side by side on one GPU with vLLM (docs/real-models.md)
+# make sanity-control   the zero-mismatch control: grpo.py at fp16 and bf16, each with and without --exact, one run
+#                  per GPU of a four-GPU machine with vLLM, on sanity-cot's task (docs/exact.md)
 # make reward-model   the built-in task's reward model (once, about a minute), then grpo.py against it (a few
 #                    minutes on a CPU; docs/reward-models.md)
 # make reward-model-real   a learned reward on the real model on one GPU with vLLM: pairs from its own samples on the
@@ -33,8 +35,8 @@ MODEL ?=
 PARTS_DIR ?=
 fetch-model = $(PY) -m tasks.real_model --name $(1) $(if $(PARTS_DIR),--parts-dir "$(PARTS_DIR)")
 
-.PHONY: install run test test-slow test-multirank-loop sanity sanity-ci sanity-real sanity-cot real-model reward-model \
-	reward-model-real bench clean
+.PHONY: install run test test-slow test-multirank-loop sanity sanity-ci sanity-real sanity-cot sanity-control real-model \
+	reward-model reward-model-real bench clean
 
 install: $(VENV)/.installed
 
@@ -117,6 +119,31 @@ sanity-cot: install
 		--vllm-kv-cache-gib 0" \
 		--script-args="--reward math --lr 1e-6 --num-prompts 32 --group-size 8 --num-minibatches 4 \
 		--vllm-sleep-level 1 --eval-dataset $$eval --eval-every 10 --eval-max-problems 128 --eval-k 2" $(COT_ARGS)
+
+# The zero-mismatch control (docs/exact.md): grpo.py at fp16 and at bf16, each with and without --exact, four runs at
+# once, one per GPU of a four-GPU machine (--gpu-each), with sanity-cot's model, task and settings and its perfectible
+# set (reused from sanity/results/cot_1.5b: the builder only selects), CONTROL_STEPS steps, evaluated every 10; the
+# four arms' curves in $(CONTROL_DIR)/control.png. CONTROL_ARGS: extra run_sanity.py flags (after these)
+CONTROL_DIR ?= runs/control_cot
+CONTROL_STEPS ?= 80
+CONTROL_ARGS ?=
+sanity-control: install
+	model="$$($(call fetch-model,$(or $(MODEL),qwen2.5-coder-1.5b-instruct)))" && \
+	train="$$($(PY) -m tasks.$(COT_TASK) | sed -n 1p)" && eval="$$($(PY) -m tasks.$(COT_TASK) | sed -n 2p)" && \
+	$(PY) sanity/run_sanity.py --out-dir $(CONTROL_DIR) --model "$$model" --dataset "$$train" \
+		--perfectible-from sanity/results/cot_1.5b/perfectible --algorithms grpo grpo_exact --precisions fp16 bf16 \
+		--must-pass-precisions fp16 --k 16 --max-problems $(COT_PROBLEMS) --num-steps $(CONTROL_STEPS) \
+		--no-stop-early --parallel 4 --gpu-each --no-analysis \
+		--common-args="--sampler vllm --prompt-template chat --max-prompt-len 512 --max-response-len 1024 \
+		--vllm-gpu-memory-utilization 0.3" \
+		--builder-args="--reward math --precision bf16 --chunk-size 128 --vllm-gpu-memory-utilization 0.85 \
+		--vllm-kv-cache-gib 0" \
+		--script-args="--reward math --lr 1e-6 --num-prompts 32 --group-size 8 --num-minibatches 4 \
+		--vllm-sleep-level 1 --eval-dataset $$eval --eval-every 10 --eval-max-problems 128 --eval-k 2" \
+		$(CONTROL_ARGS); status=$$?; \
+	$(PY) sanity/plot_runs.py $(CONTROL_DIR)/runs/* --smooth 3 --out $(CONTROL_DIR)/control.png --keys train/accuracy \
+		eval/eval/accuracy train/entropy mismatch/kl_k3 mismatch/unequal_tokens optim/grad_norm \
+		train/response_len_mean policy/clip_frac; exit $$status
 
 # the built-in task against its learned reward: train/accuracy and the evaluation are the exact rule's
 reward-model: install

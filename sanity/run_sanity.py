@@ -49,7 +49,8 @@ from sanity.report import fmt, md_table, pass_check, plot_curves, read_metrics
 # a configuration other than a script's defaults -> (its script, the flags that make it): the study's grid has three
 # GRPO modes
 CONFIGS = {"grpo_token_tis": ("grpo", ["--is-correction", "token-tis"]),
-           "grpo_seq_mis": ("grpo", ["--is-correction", "seq-mis"])}
+           "grpo_seq_mis": ("grpo", ["--is-correction", "seq-mis"]),
+           "grpo_exact": ("grpo", ["--exact"])}  # the zero-mismatch control (docs/exact.md; a GPU with vLLM)
 
 
 def configurations(root: str = ROOT) -> list[str]:
@@ -95,6 +96,9 @@ class Args:
     """runs at once (a small model leaves most of a GPU idle: several runs, each with its own sampler, share it);
     with more than 1 the mismatch analysis runs beside them. Give each a share of the GPU with
     --common-args="--vllm-gpu-memory-utilization X" (X about 0.9 / parallel runs, less the trainers' share)"""
+    gpu_each: bool = False
+    """one GPU per run at once: the run in slot i of --parallel gets CUDA_VISIBLE_DEVICES=i (needs --parallel GPUs
+    and --nproc-per-node 1); e.g. the zero-mismatch control's four arms, one per GPU of a four-GPU machine"""
     stagger_s: float = 20.0
     """seconds between the starts of parallel runs (vLLM measures free memory while its engine starts)"""
     # --- the perfectible set
@@ -106,6 +110,11 @@ class Args:
     """... and <= this"""
     max_problems: int = 0
     """build from at most this many problems of the pool (0: all)"""
+    perfectible_from: str | None = None
+    """a perfectible set measured before (a directory with config.json and results.jsonl or results.jsonl.gz, e.g.
+    sanity/results/cot_1.5b/perfectible): its measurements are copied into <out-dir>/perfectible under this run's
+    model and dataset, so the builder only measures what they lack (the builder refuses them if its measurement
+    settings differ, or a row holds another problem than the dataset's)"""
     # --- pass-through arguments: quoted strings, split like a shell; write them as --script-args="--lr 1e-3" (with
     # "=": a value that starts with "--" would otherwise be taken for a flag)
     common_args: str = ""
@@ -149,6 +158,30 @@ def algo_args(args: Args) -> dict[str, list[str]]:
     return out
 
 
+def seed_perfectible(src: str, set_dir: str, model: str | None, dataset: str | None) -> None:
+    """--perfectible-from: src's measurements (results.jsonl, or the .gz a results folder keeps) and config.json into
+    set_dir, the model and dataset paths replaced by this run's (as build_perfectible records them), unless set_dir
+    holds measurements already."""
+    import gzip
+    if os.path.exists(os.path.join(set_dir, "results.jsonl")):
+        print(f"[sanity] {set_dir} holds measurements already: --perfectible-from {src} not copied", flush=True)
+        return
+    plain, packed = os.path.join(src, "results.jsonl"), os.path.join(src, "results.jsonl.gz")
+    if not os.path.exists(os.path.join(src, "config.json")) or not (os.path.exists(plain) or os.path.exists(packed)):
+        raise FileNotFoundError(f"--perfectible-from {src}: expected config.json and results.jsonl(.gz) there")
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config.update(out_dir=set_dir, model=os.path.abspath(model) if model else "built-in",
+                  dataset=os.path.abspath(dataset) if dataset else "built-in")
+    os.makedirs(set_dir, exist_ok=True)
+    with (open(plain, "rb") if os.path.exists(plain) else gzip.open(packed, "rb")) as f, \
+            open(os.path.join(set_dir, "results.jsonl"), "wb") as out:
+        shutil.copyfileobj(f, out)
+    with open(os.path.join(set_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    print(f"[sanity] the perfectible set's measurements from {src}", flush=True)
+
+
 def run_step(cmd: list[str], what: str) -> None:
     """The builder subprocess, its output on our terminal; a failure ends the sanity run (status 1)."""
     print(f"[sanity] {what}: {shlex.join(cmd)}", flush=True)
@@ -162,16 +195,18 @@ class TrainRun:
     --stop-early. poll() returns True once it is over; result() gives pass_check's dict plus status ('pass', 'fail'
     or 'error') and seconds."""
 
-    def __init__(self, cmd: list[str], run_dir: str, label: str, args: Args):
+    def __init__(self, cmd: list[str], run_dir: str, label: str, args: Args, gpu: int | None = None):
         from tqdm import tqdm
-        self.run_dir, self.label, self.args = run_dir, label, args
+        self.run_dir, self.label, self.args, self.gpu = run_dir, label, args, gpu
         shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl is appended to: start clean
         os.makedirs(run_dir)
-        print(f"[sanity] {label}: {shlex.join(cmd)}", flush=True)
+        env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+        print(f"[sanity] {label}: {'' if gpu is None else f'CUDA_VISIBLE_DEVICES={gpu} '}{shlex.join(cmd)}",
+              flush=True)
         self.t0 = time.perf_counter()
         self.log = open(os.path.join(run_dir, "train.log"), "w")
         # its own process group, so that stopping it stops torchrun's workers too
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.bar = tqdm(total=args.num_steps, desc=label, unit="step", dynamic_ncols=True,
                         mininterval=1 if sys.stderr.isatty() else 30)  # in a log file: a line every 30 s at most
         self.code, self.stopped, self.res = None, False, None
@@ -231,7 +266,8 @@ def run_all(jobs: list[tuple[dict, list[str], str, str]], args: Args) -> list:
             if todo and len(running) < args.parallel and time.perf_counter() - last_start >= (
                     args.stagger_s if args.parallel > 1 else 0):
                 i, (info, cmd, run_dir, label) = todo.pop(0)
-                running[i] = TrainRun(cmd, run_dir, label, args)
+                gpu = min(set(range(args.parallel)) - {r.gpu for r in running.values()}) if args.gpu_each else None
+                running[i] = TrainRun(cmd, run_dir, label, args, gpu)
                 last_start = time.perf_counter()
             for i, run in list(running.items()):
                 if run.poll():
@@ -345,7 +381,10 @@ def validate(args: Args) -> None:
         raise ValueError(f"--threshold must be in (0, 1], got {args.threshold}")
     if args.nproc_per_node < 1 or args.parallel < 1:
         raise ValueError("--nproc-per-node and --parallel must be >= 1")
-    for path, what in ((args.model, "--model"), (args.dataset, "--dataset")):
+    if args.gpu_each and args.nproc_per_node != 1:
+        raise ValueError("--gpu-each gives each run one GPU: it goes with --nproc-per-node 1")
+    for path, what in ((args.model, "--model"), (args.dataset, "--dataset"),
+                       (args.perfectible_from, "--perfectible-from")):
         if path is not None and not os.path.exists(path):
             raise FileNotFoundError(f"{what} {path!r}: no such file or directory")
     algo_args(args)
@@ -365,6 +404,8 @@ def main(args: Args, argv: list[str]) -> int:
 
     # --- 1. the perfectible set
     set_dir = os.path.join(out, "perfectible")
+    if args.perfectible_from:
+        seed_perfectible(args.perfectible_from, set_dir, args.model, args.dataset)
     build = [py, os.path.join(ROOT, "sanity", "build_perfectible.py"), "--out-dir", set_dir, "--k", str(args.k),
              "--band-low", str(args.band_low), "--band-high", str(args.band_high), "--seed", str(args.seed),
              "--max-problems", str(args.max_problems), *common, *split(args.builder_args)]

@@ -96,6 +96,27 @@ def test_builder_band_histogram_and_resume(tmp_path, process_group, monkeypatch)
     with pytest.raises(ValueError, match="other settings"):
         main(parse_args(["--out-dir", part, *flags, "--k", "5"]))
 
+    # run_sanity --perfectible-from: a set kept as a results folder keeps it (results.jsonl.gz, paths of another
+    # machine) seeds a new build, which then samples nothing and selects the same set
+    import gzip
+    from sanity.run_sanity import seed_perfectible
+    kept_dir = tmp_path / "kept"
+    kept_dir.mkdir()
+    with open(os.path.join(full, "results.jsonl"), "rb") as f, gzip.open(kept_dir / "results.jsonl.gz", "wb") as g:
+        g.write(f.read())
+    config = {**json.load(open(os.path.join(full, "config.json"))), "dataset": "~/elsewhere/pool.jsonl"}
+    json.dump(config, open(kept_dir / "config.json", "w"))
+    seeded = str(tmp_path / "seeded")
+    seed_perfectible(str(kept_dir), seeded, None, pool)
+    n = len(sampled)
+    main(parse_args(["--out-dir", seeded, *flags]))
+    assert len(sampled) == n  # nothing measured again
+    assert open(os.path.join(seeded, "perfectible.jsonl")).read() == open(os.path.join(full, "perfectible.jsonl")).read()
+    seed_perfectible(str(kept_dir), part, None, pool)  # a set with measurements of its own is left as it is
+    assert open(os.path.join(part, "results.jsonl")).read() == after
+    with pytest.raises(ValueError, match="other settings"):  # measured with other settings: refused by the builder
+        main(parse_args(["--out-dir", seeded, *flags, "--k", "5"]))
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # the pass criterion, the verdict, the slope
@@ -310,7 +331,27 @@ def test_parallel_runs_of_grpo_variants_with_the_analysis_beside(tmp_path):
     assert "## Offline mismatch analysis" in open(os.path.join(out, "report.md")).read()
 
 
+def test_gpu_each_gives_every_run_at_once_its_own_gpu(tmp_path):
+    """--gpu-each: the runs at once get CUDA_VISIBLE_DEVICES 0.. --parallel-1, and a run started later gets the GPU
+    that a finished one left (not one still in use). Ordered by files, not by time: run a waits for c's file, so c
+    can only start in the slot b left."""
+    from sanity.run_sanity import Args, run_all
+    py = sys.executable
+    gate = tmp_path / "c_started"
+
+    def job(name, body):
+        d = str(tmp_path / name)
+        code = f"import os,pathlib,time\nopen({d!r}+'/gpu','w').write(os.environ['CUDA_VISIBLE_DEVICES'])\n{body}"
+        return ({"algorithm": name, "precision": "fp32"}, [py, "-c", code], d, name)
+    jobs = [job("a", f"t=time.time()\nwhile not os.path.exists({str(gate)!r}) and time.time()-t<120: time.sleep(0.1)"),
+            job("b", ""), job("c", f"pathlib.Path({str(gate)!r}).touch()")]
+    run_all(jobs, Args(parallel=2, gpu_each=True, stagger_s=0.0))
+    assert [open(tmp_path / n / "gpu").read() for n in "abc"] == ["0", "1", "1"]
+    assert gate.exists()
+
+
 @pytest.mark.parametrize("args,message", [
+    (["--gpu-each", "--nproc-per-node", "2"], "--gpu-each gives each run one GPU"),
     (["--algo-args", "sac=--lr 1"], "expected ALGO=ARGS"),
     (["--algorithms", "sac"], "--algorithms sac: no such algorithm script"),
     (["--parallel", "0"], "--parallel"),
