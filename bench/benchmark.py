@@ -15,7 +15,8 @@ are common.hf_sampler.HFSampler and common.vllm_sampler.VLLMSampler; the weight 
   sync            trainer -> sampler weight sync time, and the sampler's log-probs against the trainer's after a sync
   rl_step         grpo.py for a few steps: time per phase from metrics.jsonl, on the random model and synthetic
                   prompts or on a real model and dataset (--rl-model, --rl-dataset); --rl-runs runs it several times
-                  one after the other (other flags, or an older checkout of the code: before/after)
+                  one after the other (other flags, or an older checkout of the code: before/after);
+                  --rl-force-len samples every response to --rl-max-response-len (bench/forced_length.py)
   vllm_generate   the same vLLM engine standalone on grpo.py's first batches: llm.generate against
                   VLLMSampler.generate, and sleep/wake at level 1 (what rl_step's sampling phase should come close to)
   (rl_step and vllm_generate are not in the default set: they take minutes)
@@ -135,6 +136,9 @@ def parse_args(argv=None):
     ap.add_argument("--rl-dataset", help="its training problems (default: synthetic prompts)")
     ap.add_argument("--rl-prompt-template", default="{problem}", help="grpo.py's --prompt-template")
     ap.add_argument("--rl-reward", default="exact", help="grpo.py's --reward")
+    ap.add_argument("--rl-force-len", action="store_true",
+                    help="rl_step: every response sampled to --rl-max-response-len (vLLM's ignore_eos, through "
+                         "bench/forced_length.py): the step's worst case; vLLM only")
     ap.add_argument("--rl-runs", nargs="+", default=["grpo:"], metavar="LABEL[@DIR]:[ARGS]",
                     help="rl_step's runs, one after the other: a label, optionally @ the directory of another checkout "
                          "of this code to run grpo.py from (e.g. an older commit: before/after), then ':' and extra "
@@ -152,6 +156,8 @@ def parse_args(argv=None):
     args.only = args.only.split(",")
     args.sampler_variants = args.sampler_variants.split(",")
     args.rl_runs = [parse_rl_run(r, ap) for r in args.rl_runs]
+    if args.rl_force_len and args.rl_sampler != "vllm":
+        ap.error("--rl-force-len forces the responses' length through vLLM: it goes with --rl-sampler vllm")
     for name, allowed in ((args.only, ALL_SECTIONS), (args.sampler_variants, SAMPLER_VARIANTS),
                           (args.precisions, list(DTYPES))):
         bad = [x for x in name if x not in allowed]
@@ -814,7 +820,8 @@ def bench_rl_step(res: Results, args, model_dir):
     for run in args.rl_runs:
         work = tempfile.mkdtemp(prefix="rl-bench-step-")
         metrics_path = os.path.join(work, "run", "metrics.jsonl")
-        cmd = [sys.executable, "grpo.py", *flags, "--run-dir", os.path.join(work, "run"), *run["args"]]
+        wrap = ["bench/forced_length.py"] if args.rl_force_len else []  # (from the run's checkout, as grpo.py)
+        cmd = [sys.executable, *wrap, "grpo.py", *flags, "--run-dir", os.path.join(work, "run"), *run["args"]]
         shown = " ".join(cmd[1:]).replace(model, "<model>").replace(data, "<prompts>").replace(work, "<tmp>")
         entry = {"label": run["label"], "code": "another checkout" if run["dir"] else "this checkout",
                  "command": shown, "steps": []}

@@ -150,8 +150,10 @@ class VLLMSampler:
         for key in self.env_set:
             os.environ.pop(key, None)
 
+    ignore_eos = False  # True: every response runs to max_new_tokens (bench/forced_length.py: the worst case)
+
     @staticmethod
-    def sampling_params(n: int, max_new_tokens: int, temperature: float, top_p: float = 1.0):
+    def sampling_params(n: int, max_new_tokens: int, temperature: float, top_p: float = 1.0, ignore_eos: bool = False):
         """What generate asks of the engine: n samples per prompt, greedy at temperature <= 0, the sampled tokens'
         log-probs and no detokenization."""
         from vllm import SamplingParams
@@ -160,7 +162,8 @@ class VLLMSampler:
         # token, which the engine builds inside its decode loop (in this process: external_launcher keeps the engine
         # in-process). On one H100, 64 x 8 responses up to 1,024 tokens: llm.generate 13-21% faster
         return SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
-                              max_tokens=max_new_tokens, logprobs=0, detokenize=False, flat_logprobs=True)
+                              max_tokens=max_new_tokens, logprobs=0, detokenize=False, flat_logprobs=True,
+                              ignore_eos=ignore_eos)
 
     def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float,
                  top_p: float = 1.0) -> Rollout:
@@ -171,7 +174,7 @@ class VLLMSampler:
             dist.all_gather_object(gathered, prompts, group=self.tp_group)
             offset = sum(len(g) for g in gathered[:dist.get_rank(self.tp_group)])
             prompts = [p for g in gathered for p in g]
-        params = self.sampling_params(n, max_new_tokens, temperature, top_p)
+        params = self.sampling_params(n, max_new_tokens, temperature, top_p, self.ignore_eos)
         # the same (possibly empty) list on every rank of a TP group, so all of them call the engine or none does
         outputs = (self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
                    if prompts else [])

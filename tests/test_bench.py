@@ -192,3 +192,42 @@ def test_union_length():
     assert union_length([]) == 0.0
     assert union_length([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4.0
     assert union_length([(5, 6), (0, 10)]) == 10.0
+
+
+def test_forced_length_runs_a_script_with_every_response_to_its_limit(monkeypatch):
+    """bench/forced_length.py (the step's worst case for --rl-force-len): the vLLM sampler asks the engine to ignore
+    EOS, the fallback sampler is refused before training, and the script runs as __main__ with its own arguments."""
+    import common.sampler
+    from bench import forced_length
+    from common.vllm_sampler import VLLMSampler
+    monkeypatch.setattr(VLLMSampler, "ignore_eos", False)
+    monkeypatch.setattr(common.sampler, "make_sampler", lambda *a, **k: object())
+    assert VLLMSampler.sampling_params(2, 5, 1.0).ignore_eos is False  # the default: stop at EOS
+    forced_length.force_full_length()
+    assert VLLMSampler.ignore_eos is True
+    seen = []
+
+    class Engine:
+        def generate(self, prompts, params, use_tqdm):
+            seen.append(params)
+            raise StopIteration
+    sampler = object.__new__(VLLMSampler)
+    sampler.tp_group, sampler.llm = None, Engine()
+    with pytest.raises(StopIteration):
+        sampler.generate([[3, 4]], 2, 7, 1.0)
+    assert seen[0].ignore_eos and seen[0].max_tokens == 7
+    with pytest.raises(SystemExit, match="vLLM sampler only"):
+        common.sampler.make_sampler()  # the fallback (here: anything but a VLLMSampler)
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run([sys.executable, "bench/forced_length.py"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert p.returncode == 1 and "usage" in p.stderr
+    p = subprocess.run([sys.executable, "bench/forced_length.py", "grpo.py", "--help"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "--max-response-len" in p.stdout, p.stderr[-2000:]
+
+
+def test_force_len_needs_vllm(tmp_path):
+    p = subprocess.run([sys.executable, BENCH, "--shape", "tiny", "--only", "rl_step", "--rl-sampler", "hf",
+                        "--rl-force-len", "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2 and "--rl-force-len" in p.stderr and "--rl-sampler vllm" in p.stderr
