@@ -473,8 +473,8 @@ def damage(path, how):
 
 
 @pytest.mark.parametrize("file,how,said", [
-    ("model.safetensors", "truncated", "model.safetensors is truncated"),
-    ("model.safetensors", "bad header", "model.safetensors is not a valid safetensors file"),
+    ("model.safetensors", "truncated", "model.safetensors is not a complete safetensors file"),
+    ("model.safetensors", "bad header", "model.safetensors is not a complete safetensors file"),
     ("config.json", "not json", "config.json is damaged: not JSON"),
     ("tokenizer_config.json", "not json", "tokenizer_config.json is damaged: not JSON"),
     ("trainer_state.json", "not json", "trainer_state.json is damaged: not JSON"),
