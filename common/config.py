@@ -68,7 +68,7 @@ def resume_changes(recorded: dict, config: dict) -> dict[str, tuple]:
 
 
 def _show_change(key, old, new) -> str:
-    return f"{key} {_show(old) if old is not None else 'None'} -> {_show(new) if new is not None else 'None'}"
+    return f"{key} {_show(old)} -> {_show(new)}"
 
 
 def check_resume_config(resume_dir: str, run_dir: str, config: dict, accept_changes: bool) -> dict[str, tuple]:
