@@ -10,7 +10,7 @@ are common.hf_sampler.HFSampler and common.vllm_sampler.VLLMSampler; the weight 
   trainer         tokens/s of the recompute (no-grad forward, grpo.py step 3) and of training (forward, backward,
                   optimizer step, step 5), MFU, peak memory, fp16 / bf16 step time; at response lengths 2K and 8K
   logprob_memory  peak memory of the log-prob head at a 152K vocabulary: chunked vs the full fp32 logits
-  sampler         generated tokens/s at batch 64 and 256: HFSampler (CUDA-graph decoding), transformers'
+  sampler         generated tokens/s at batch 64 and 256: HFSampler (the fallback sampler), transformers'
                   generate, VLLMSampler (in a subprocess: one vLLM engine per process)
   sync            trainer -> sampler weight sync time, and the sampler's log-probs against the trainer's after a sync
   rl_step         grpo.py for a few steps: time per phase from metrics.jsonl, on the random model and synthetic
@@ -81,7 +81,7 @@ PRESETS = {
 DEFAULT_SECTIONS = ["matmul", "trainer", "logprob_memory", "sampler", "sync"]
 ALL_SECTIONS = DEFAULT_SECTIONS + ["rl_step", "vllm_generate"]
 ALPHANUMERIC = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-SAMPLER_VARIANTS = ["graph", "eager_static", "dynamic", "hf_generate", "vllm"]
+SAMPLER_VARIANTS = ["hf", "hf_generate", "vllm"]
 GIB = 2**30
 
 def parse_args(argv=None):
@@ -120,10 +120,9 @@ def parse_args(argv=None):
     ap.add_argument("--sampler-precision", choices=list(DTYPES), default="fp16")
     ap.add_argument("--batch-sizes", help="sampler batch sizes, comma-separated")
     ap.add_argument("--new-tokens", type=int, help="max new tokens per sequence")
-    ap.add_argument("--check-tokens", type=int, help="new tokens of the graph-vs-eager and sync checks")
-    ap.add_argument("--sampler-variants", default="graph,hf_generate,vllm",
-                    help=f"of {','.join(SAMPLER_VARIANTS)} (eager_static: static cache without graphs; "
-                         "dynamic: the eager DynamicCache path)")
+    ap.add_argument("--check-tokens", type=int, help="new tokens of the sync check")
+    ap.add_argument("--sampler-variants", default="hf,hf_generate,vllm",
+                    help=f"of {','.join(SAMPLER_VARIANTS)} (hf: the fallback sampler, HFSampler)")
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
     # rl_step
     ap.add_argument("--rl-sampler", choices=["vllm", "hf"], default="vllm")
@@ -577,12 +576,6 @@ def timed_generate(sampler, prompts, new_tokens):
     return seconds, sum(map(len, out.response_ids))
 
 
-def decode_path(sampler) -> str:
-    if sampler.cuda_graph:
-        return "static cache + CUDA graph"
-    return "static cache" if sampler.static_cache else "DynamicCache"
-
-
 def hf_generate_tokens(model, prompts, new_tokens, eos_id, device) -> int:
     """transformers' generate with sampling and its default settings; tokens counted up to each row's first eos."""
     ids = torch.tensor(prompts, device=device)  # equal lengths: no padding
@@ -604,25 +597,17 @@ def bench_sampler(res: Results, args, model_dir, device):
         for r in run_vllm_child(res, args, model_dir):
             res.add("sampler", {**base, **r})
 
-    for variant in [v for v in args.sampler_variants if v in ("graph", "eager_static", "dynamic")]:
-        if variant == "graph" and not torch.cuda.is_available():
-            res.note("sampler: no CUDA, so no CUDA graphs: the 'graph' variant decodes with the static cache, eagerly")
-        kw = {"graph": {} if torch.cuda.is_available() else dict(static_cache=True),
-              "eager_static": dict(static_cache=True, cuda_graph=False),
-              "dynamic": dict(static_cache=False, cuda_graph=False)}[variant]
-        sampler = HFSampler(model_dir, dtype, device, seed=args.seed, batch_size=max(args.batch_sizes), **kw)
+    if "hf" in args.sampler_variants:
+        sampler = HFSampler(model_dir, dtype, device, seed=args.seed, batch_size=max(args.batch_sizes))
         for B in args.batch_sizes:
-            print0(f"[{now()}] HFSampler ({variant}) batch {B}: first call, then the timed one")
+            print0(f"[{now()}] HFSampler batch {B}: first call, then the timed one")
             t1, _ = timed_generate(sampler, prompts[:B], args.new_tokens)
             t2, n = timed_generate(sampler, prompts[:B], args.new_tokens)
-            row = {**base, "sampler": f"HFSampler ({variant})", "path": decode_path(sampler), "batch": B,
-                   "tokens": n, "first_call_s": round(t1, 2), "s": round(t2, 2), "tok_s": round(n / t2)}
+            row = {**base, "sampler": "HFSampler", "path": "DynamicCache", "batch": B, "tokens": n,
+                   "first_call_s": round(t1, 2), "s": round(t2, 2), "tok_s": round(n / t2)}
             res.add("sampler", row)
-            print0(f"[{now()}] HFSampler ({variant}) batch {B}: {row['tok_s']} tok/s ({n} tokens, first call "
-                   f"{t1:.1f}s, then {t2:.1f}s), {row['path']}")
-        if variant == "graph":
-            graph_vs_eager_check(res, args, model_dir, sampler, prompts, dtype, device)
-        sampler.shutdown()
+            print0(f"[{now()}] HFSampler batch {B}: {row['tok_s']} tok/s ({n} tokens, first call {t1:.1f}s, then "
+                   f"{t2:.1f}s)")
         del sampler
         free_memory()
 
@@ -642,30 +627,6 @@ def bench_sampler(res: Results, args, model_dir, device):
         if r.get("tok_s") and r.get("batch") in hf_speed:
             r["vs_hf_generate"] = round(r["tok_s"] / hf_speed[r["batch"]], 1)
     res.write()
-
-
-def graph_vs_eager_check(res: Results, args, model_dir, graph_sampler, prompts, dtype, device):
-    """The CUDA-graph path against the same decoding without graphs, same weights and seed: greedy and sampled
-    tokens and their log-probs should be identical (the graph replays the eager kernels)."""
-    if not graph_sampler.cuda_graph:
-        return
-    eager = HFSampler(model_dir, dtype, device, seed=args.seed, batch_size=8, static_cache=True, cuda_graph=False)
-    graph_sampler.load_weights(iter(eager.params.items()))  # (the same weights; exercises the sync path too)
-    for temperature in (0.0, 1.0):
-        outs = []
-        for s in (graph_sampler, eager):
-            s.generator.manual_seed(args.seed + 11)
-            bs, s.batch_size = s.batch_size, 8
-            outs.append(s.generate(prompts[:8], 1, args.check_tokens, temperature))
-            s.batch_size = bs
-        same = outs[0].response_ids == outs[1].response_ids
-        d = max(((a - b).abs().max().item() for a, b in zip(outs[0].logprobs, outs[1].logprobs)
-                 if len(a) == len(b) and len(a)), default=0.0)
-        res.add("sampler_check", {"check": f"graph vs eager static cache, 8 x {args.check_tokens} tokens, "
-                                           f"temperature {temperature}", "tokens_identical": same,
-                                  "max_abs_logprob_diff": d})
-        print0(f"[{now()}] graph vs eager (temperature {temperature}): tokens identical {same}, max |dlogp| {d:.2e}")
-    eager.shutdown()
 
 
 def sync_seconds(sampler, trainer, dtype, device) -> float:
@@ -747,14 +708,13 @@ def vllm_sampler_child(spec: dict) -> None:
 
 def bench_sync(res: Results, args, model_dir, device):
     """HFSampler's weight sync from the FSDP2 trainer, and the sampler's log-probs against the trainer's recompute
-    before and after a sync of changed weights (a sync that a captured graph did not see shows as a large kl_k3)."""
+    before and after a sync of changed weights (a sync that missed a weight shows as a large kl_k3)."""
     res.data["sync"] = [r for r in res.data.get("sync", []) if r["sampler"] != "HFSampler"]
     res.start("sync_check", [])
     dtype = DTYPES[args.sampler_precision]
     V = SHAPES[args.shape]["vocab_size"]
     trainer = load_policy(model_dir, dtype, device, gradient_checkpointing=False)
-    kw = {} if torch.cuda.is_available() else dict(static_cache=True)  # on a CPU, at least the static cache
-    sampler = HFSampler(model_dir, dtype, device, seed=args.seed, batch_size=64, **kw)
+    sampler = HFSampler(model_dir, dtype, device, seed=args.seed, batch_size=64)
     t = sync_seconds(sampler, trainer, dtype, device)
     res.add("sync", {"sampler": "HFSampler", "precision": args.sampler_precision, "s": round(t, 3)})
     print0(f"[{now()}] HFSampler weight sync: {t:.3f}s")
@@ -773,7 +733,7 @@ def bench_sync(res: Results, args, model_dir, device):
         mu = pad_float(out.logprobs, rmask.shape[1], device)
         stats = StepStats(device)
         mismatch(stats, logp, mu, rmask)  # the scripts' mismatch/kl_k3
-        row = {"when": f"{when} a sync of changed weights", "path": decode_path(sampler),
+        row = {"when": f"{when} a sync of changed weights", "path": "DynamicCache",
                "precision": args.sampler_precision, "tokens": int(rmask.sum()),
                "kl_k3": stats.reduce(all_ranks=False)["mismatch/kl_k3"],
                "max_abs_logprob_diff": float((logp - mu)[rmask].abs().max())}
@@ -1037,7 +997,7 @@ def render_markdown(data: dict) -> str:
         lines += ["## Samplers (generated tokens/s; random weights rarely emit end-of-sequence, tokens counted)", "",
                   *_table(data["sampler"], "sampler;decoding=path;precision;batch;prompt;max new=new_tokens;tokens;"
                                            "1st call s=first_call_s;s;tok/s=tok_s;x transformers generate=vs_hf_generate")]
-    if data.get("sampler_check"):
+    if data.get("sampler_check"):  # results of the CUDA-graph decoding check (the path was removed since)
         lines += _table(data["sampler_check"], "check;tokens identical=tokens_identical;"
                                                "max abs log-prob diff=max_abs_logprob_diff")
     if data.get("sync"):

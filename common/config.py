@@ -6,7 +6,6 @@ import os
 
 from common.checkpoint import read_json
 from common.dist import print0
-from common.logger import CONFIG_RESUME
 
 
 def flat_fields(obj) -> dict:
@@ -61,59 +60,28 @@ def run_config(script_file: str, args) -> dict:
     return json.loads(json.dumps(config, default=str))  # tuples as lists: as the file reads back
 
 
-def recorded_config(resume_dir: str, run_dir: str) -> tuple[dict | None, str]:
-    """The settings the checkpoint at resume_dir was trained with, and where they were found: its trainer_state.json
-    (the scripts save them there), else the newest record in run_dir at or before its step (config_resume_<S>.json
-    of a resume at S, or config.json). (None, "") when there is none (a checkpoint of an older version, copied
-    without its run)."""
-    state = read_json(os.path.join(resume_dir, "trainer_state.json"), "--resume")
-    if isinstance(state.get("config"), dict):
-        return state["config"], os.path.join(resume_dir, "trainer_state.json")
-    step = state.get("step", 0)
-    records = []
-    for name in (os.listdir(run_dir) if os.path.isdir(run_dir) else []):
-        if (m := CONFIG_RESUME.match(name)) and int(m.group(1)) <= step:
-            records.append(((int(m.group(1)), int(m.group(2) or 1)), name))
-    name = max(records)[1] if records else "config.json"
-    path = os.path.join(run_dir, name)
-    if not os.path.isfile(path):
-        return None, ""
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return None, ""
-    return (config, path) if isinstance(config, dict) else (None, "")
-
-
 def resume_changes(recorded: dict, config: dict) -> dict[str, tuple]:
     """{field: (recorded value, value now)} for every field whose value differs. A field the record lacks is new
     since it was written (a flag added to the code): not compared. A field only the record has belongs to another
-    script's Args: a difference. "script" is compared only when the record has it (older runs did not keep it)."""
-    changes = {}
-    for key in sorted(set(recorded) | set(config)):
-        if key not in recorded:
-            continue
-        now = config.get(key, "(absent)")
-        if recorded[key] != now:
-            changes[key] = (recorded[key], now)
-    return changes
+    script's Args: a difference."""
+    return {k: (v, config.get(k, "(absent)")) for k, v in sorted(recorded.items()) if v != config.get(k, "(absent)")}
 
 
 def _show_change(key, old, new) -> str:
-    return f"{key} {_show(old) if old is not None else 'None'} -> {_show(new) if new is not None else 'None'}"
+    return f"{key} {_show(old)} -> {_show(new)}"
 
 
 def check_resume_config(resume_dir: str, run_dir: str, config: dict, accept_changes: bool) -> dict[str, tuple]:
-    """Compare a resume's settings (run_config) with those the checkpoint was trained with (recorded_config), before
-    anything is loaded or written. A change to a setting that defines the run is refused with one line naming each
-    difference, unless accept_changes (--accept-changes); the others (RESUME_MAY_CHANGE) are allowed. Every change is
+    """Compare a resume's settings (run_config) with those the checkpoint was trained with (its trainer_state.json's
+    "config"), before anything is loaded or written. A change to a setting that defines the run is refused with one
+    line naming each difference, unless accept_changes (--accept-changes); the others (RESUME_MAY_CHANGE) are allowed. Every change is
     said at start; the resumed run's settings are then recorded in config_resume_<step>.json beside config.json
-    (common/logger.py). Returns the changes."""
-    recorded, source = recorded_config(resume_dir, run_dir)
-    if recorded is None:
-        print0(f"[resume] no record of the settings {resume_dir} was trained with (a checkpoint of an older version, "
-               "away from its run directory): they are not compared with this run's")
+    (common/logger.py). Returns the changes. (run_dir: not read; the checkpoint holds its settings.)"""
+    source = os.path.join(resume_dir, "trainer_state.json")
+    recorded = read_json(source, "--resume").get("config")
+    if not isinstance(recorded, dict):
+        print0(f"[resume] {source} holds no record of the settings it was trained with (a checkpoint of a version "
+               "before 2026-11-26): they are not compared with this run's")
         return {}
     changes = resume_changes(recorded, config)
     defining = {k: v for k, v in changes.items() if k not in RESUME_MAY_CHANGE}
@@ -128,7 +96,4 @@ def check_resume_config(resume_dir: str, run_dir: str, config: dict, accept_chan
         print0(f"[resume] changed since the checkpoint's settings ({source}): {allowed}")
     if defining:
         print0(f"[resume] --accept-changes: continuing with settings that define the run changed: {said}")
-    if "script" not in recorded:
-        print0(f"[resume] {source} does not name the script the run was trained with (an older version): not "
-               "compared")
     return changes

@@ -32,9 +32,15 @@ def check_model_dir(path: str, flag: str = "--model") -> None:
     # the configs, tokenizer and index: a damaged one otherwise fails inside transformers with a traceback
     for name in sorted(os.listdir(path)):
         if name.endswith(".json") and os.path.isfile(os.path.join(path, name)):
-            problem = json_problem(os.path.join(path, name))
-            if problem:
-                raise ValueError(f"{flag} {path!r}: {name} is damaged: {problem}")
+            try:
+                with open(os.path.join(path, name), encoding="utf-8") as f:
+                    json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{flag} {path!r}: {name} is damaged: not JSON ({e.msg} at line {e.lineno} column "
+                                 f"{e.colno})") from None
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{flag} {path!r}: {name} is damaged: not UTF-8 text (byte {e.object[e.start]:#04x} "
+                                 f"at offset {e.start})") from None
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:
@@ -47,51 +53,18 @@ def check_model_dir(path: str, flag: str = "--model") -> None:
                 raise FileNotFoundError(f"{flag} {path!r}: {name}, listed in model.safetensors.index.json, is missing")
     else:
         files = [name for name in ("model.safetensors",) if os.path.isfile(os.path.join(path, name))]
-    for name in files:
-        problem = safetensors_problem(os.path.join(path, name))
-        if problem:
-            raise ValueError(f"{flag} {path!r}: {name} is {problem} (an interrupted copy or download?)")
-
-
-def json_problem(path: str) -> str | None:
-    """Why the file at path is not JSON (its first error, where), or None."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            json.load(f)
-    except json.JSONDecodeError as e:
-        return f"not JSON ({e.msg} at line {e.lineno} column {e.colno})"
-    except UnicodeDecodeError as e:
-        return f"not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})"
-    return None
+    for name in files:  # safetensors reads the header: a length past the file, a garbled header, data short of it
+        try:
+            with safe_open(os.path.join(path, name), "pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 -- safetensors' SafetensorError and whatever else a damaged file raises
+            detail = " ".join(str(e).split()).removeprefix("Error while deserializing header: ")[:200]
+            raise ValueError(f"{flag} {path!r}: {name} is not a complete safetensors file "
+                             f"({os.path.getsize(os.path.join(path, name)):,} bytes; safetensors: {detail}): an "
+                             "interrupted copy or download?") from None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # any one: fast, sentencepiece, BPE
-
-
-def safetensors_problem(path: str) -> str | None:
-    """Why the file at `path` is not a complete safetensors file, or None. The format: 8 bytes (little-endian) giving
-    the header's length, the JSON header (each tensor's data_offsets [begin, end] in the data that follows), the
-    data; a file shorter than the header's last end offset was cut. Reads only the header."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else None
-        if n is None or 8 + n > size:
-            return f"not a complete safetensors file ({size} bytes: less than its header)"
-        try:
-            header = json.loads(f.read(n))
-            end = max([int(t["data_offsets"][1]) for name, t in header.items() if name != "__metadata__"], default=0)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            return "not a safetensors file (its header is not one)"
-    if 8 + n + end > size:
-        return f"truncated: {size} bytes, its header describes {8 + n + end}"
-    try:  # the header's own rules (dtypes, shapes, offsets that tile the data), as the loader checks them
-        with safe_open(path, "pt"):
-            pass
-    except Exception as e:  # noqa: BLE001 -- safetensors' SafetensorError and whatever else a damaged header raises
-        return f"not a valid safetensors file ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
-    return None
-
 
 
 def check_shared_dir(path: str, device) -> None:

@@ -208,7 +208,7 @@ def trainer_table(datas: list[dict]) -> str:
                       fixed(r["peak_gib_train"], 1)] for r in rows])
 
 
-SAMPLER_LABELS = {"HFSampler (graph)": "fallback sampler (`--sampler hf`: static cache, CUDA graph)",
+SAMPLER_LABELS = {"HFSampler (graph)": "fallback sampler's CUDA-graph decoding (removed since)",
                   "transformers generate": "transformers `generate(do_sample=True)`",
                   "VLLMSampler": "vLLM (`--sampler vllm`)"}
 

@@ -150,8 +150,6 @@ def force_responses(recorded: list[dict] | None, tokenizer) -> list[dict]:
         """The forced token of every row and its fp32 log-prob under the processed distribution (as _sample)."""
         logp_BV = process_logits(logits_BV.float(), temperature, top_p)
         tok_B = self._forced[:, self._t]
-        if len(tok_B) < len(logp_BV):  # filler rows of the static path
-            tok_B = torch.cat([tok_B, tok_B.new_full((len(logp_BV) - len(tok_B),), int(self.eos_ids[0]))])
         self._t += 1
         return tok_B, logp_BV.gather(-1, tok_B[:, None]).squeeze(-1)
     HFSampler.generate, HFSampler._generate_batch, HFSampler._sample = forced_generate, forced_batch, forced_sample

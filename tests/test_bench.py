@@ -1,7 +1,7 @@
 """bench/benchmark.py end to end on a CPU with the tiny shape (about 45 s in all): every section writes its rows to
 the JSON and the Markdown table, the trainer runs under torchrun with 2 processes, grpo.py runs for the rl_step
-section, results of several runs render into one table, and the CUDA-graph check runs with a CPU stand-in for the
-graph. The GPU-only figures (memory, CUDA graphs, vLLM) are skipped with a note."""
+section, and results of several runs render into one table. The GPU-only figures (memory, vLLM) are skipped with a
+note."""
 import importlib.util
 import json
 import os
@@ -36,7 +36,7 @@ def bench_dir(tmp_path_factory):
     """One fp32 run of every section (fp32: CPU 16-bit kernels are slow), grpo.py with the fallback sampler."""
     tmp_path = tmp_path_factory.mktemp("bench")
     run(["--only", "matmul,trainer,logprob_memory,sampler,sync,rl_step", "--precisions", "fp32",
-         "--sampler-precision", "fp32", "--sampler-variants", "graph,eager_static,dynamic,hf_generate",
+         "--sampler-precision", "fp32", "--sampler-variants", "hf,hf_generate",
          "--rl-sampler", "hf", "--rl-runs", "base:", "other:--lr 1e-5"], tmp_path)
     return tmp_path
 
@@ -54,13 +54,9 @@ def test_every_section_writes_rows_and_a_table(bench_dir):
     assert {(r["method"], r["mode"]) for r in lp} == {(m, mode) for m in ("chunked", "full logits")
                                                       for mode in ("forward+backward", "no-grad forward with entropy")}
     samplers = {(r["sampler"], r["batch"]): r for r in data["sampler"]}
-    assert set(samplers) == {(s, b) for s in ("HFSampler (graph)", "HFSampler (eager_static)", "HFSampler (dynamic)",
-                                               "transformers generate") for b in (4, 8)}
+    assert set(samplers) == {(s, b) for s in ("HFSampler", "transformers generate") for b in (4, 8)}
     assert all(r["tokens"] > 0 and r["tok_s"] > 0 and r["vs_hf_generate"] > 0 for r in data["sampler"])
-    assert samplers[("HFSampler (dynamic)", 4)]["path"] == "DynamicCache"
-    assert samplers[("HFSampler (graph)", 4)]["path"] == "static cache"  # no CUDA graphs on a CPU
-    # the same seed, prompts and weights: the static and the dynamic decoding generate the same tokens
-    assert samplers[("HFSampler (graph)", 8)]["tokens"] == samplers[("HFSampler (dynamic)", 8)]["tokens"]
+    assert samplers[("HFSampler", 4)]["path"] == "DynamicCache"
     assert data["sync"][0]["sampler"] == "HFSampler" and data["sync"][0]["s"] > 0
     checks = data["sync_check"]
     assert len(checks) == 2 and all(r["kl_k3"] < 1e-6 for r in checks)  # fp32: the sync moved the new weights in
@@ -104,27 +100,6 @@ def test_trainer_under_torchrun_and_render(tmp_path, bench_dir):
     assert p.returncode == 0, p.stderr[-2000:]
     md = (tmp_path / "both.md").read_text()
     assert md.count("| fp32 | 16 + ") == 3 and "## Samplers" in md  # 2 one-rank rows and 1 two-rank row
-
-
-def test_graph_vs_eager_check_with_a_stand_in_graph(tmp_path, process_group, monkeypatch):
-    """The benchmark's check of the CUDA-graph path against eager decoding (GPU only) runs on a CPU with the stand-in
-    graph of tests/test_sampler.py, and finds the two identical."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import benchmark
-    from test_sampler import _stand_in_capture
-
-    from common.hf_sampler import HFSampler
-    _, _, device = process_group
-    monkeypatch.setattr(HFSampler, "_capture", _stand_in_capture)
-    model_dir = benchmark.build_model_dir("tiny", str(tmp_path / "model"), 0)
-    args = benchmark.parse_args(["--shape", "tiny"])
-    res = benchmark.Results(str(tmp_path), "check", {}, enabled=True)
-    sampler = HFSampler(model_dir, torch.float32, device, seed=0, batch_size=8, static_cache=True)
-    sampler.cuda_graph = True
-    prompts = benchmark.random_prompts(8, 16, 1000, 0)
-    benchmark.graph_vs_eager_check(res, args, model_dir, sampler, prompts, torch.float32, device)
-    rows = res.data["sampler_check"]
-    assert len(rows) == 2 and all(r["tokens_identical"] and r["max_abs_logprob_diff"] == 0 for r in rows)
 
 
 def test_trainer_step_runs_grpos_own_loss(tmp_path, process_group, monkeypatch):

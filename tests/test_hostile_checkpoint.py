@@ -137,7 +137,7 @@ def test_metadata_that_torch_would_not_take_is_refused(finished_runs, tmp_path):
 
 
 @pytest.mark.parametrize("file,how,said", [
-    ("model.safetensors", "truncated", "model.safetensors is truncated"),
+    ("model.safetensors", "truncated", "model.safetensors is not a complete safetensors file"),
     ("config.json", "not json", "config.json is damaged: not JSON"),
     ("trainer_state.json", "not json", "trainer_state.json is damaged: not JSON"),
 ])
