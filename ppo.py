@@ -30,6 +30,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from common import batches, cli, data, exact, logprobs, metrics, preflight, rewards, rundir
 from common.dist import print0, reduce_stats, seed_everything, setup_distributed
@@ -290,17 +291,23 @@ def init_value_head(hidden_size: int, seed: int) -> nn.Linear:
 def load_critic(path: str, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool, seed: int,
                 attn_implementation: str = "sdpa", cpu_offload: bool = False, compile: bool = False) -> CriticModel:
     """Load fp32 master weights from the model directory `path` (the policy's, or a critic checkpoint), add the value
-    head (from `path`'s trainer_state.json when it is a critic checkpoint, else a fresh one from `seed`), shard with
-    FSDP2 as load_policy does and return the CriticModel (the FSDP root)."""
+    head (a critic checkpoint's value_head.safetensors, else a fresh one from `seed`), shard with FSDP2 as load_policy
+    does and return the CriticModel (the FSDP root)."""
     def wrap(lm):
         head = init_value_head(lm.config.hidden_size, seed)
-        saved = saved_value_head(path)
-        if saved is not None:
-            try:
-                head.load_state_dict({name: torch.tensor(v, dtype=torch.float32) for name, v in saved.items()})
-            except (RuntimeError, TypeError, ValueError, AttributeError) as e:  # JSON, but not this value head
-                raise ValueError(f"{os.path.join(path, 'trainer_state.json')} is damaged: its value_head is not this "
-                                 f"critic's ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+        file, old = os.path.join(path, "value_head.safetensors"), os.path.join(path, "trainer_state.json")
+        try:
+            if os.path.isfile(file):  # a critic checkpoint's (ValueHeadState)
+                head.load_state_dict(load_file(file))
+            elif os.path.isfile(old):  # an older ppo.py kept the head there as JSON: read once (a save rewrites it)
+                with open(old) as f:
+                    saved = json.load(f).get("value_head")
+                if saved is not None:
+                    file = old
+                    head.load_state_dict({k: torch.tensor(v, dtype=torch.float32) for k, v in saved.items()})
+        except Exception as e:  # noqa: BLE001 -- SafetensorError, or a head of another shape
+            raise ValueError(f"--resume: {file} is damaged: its value_head is not this critic's ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:200]})") from None
         # an untied lm_head is never used by the critic: frozen, so that no optimizer holds it (AdamW would keep no
         # state for a weight that gets no gradient, while a resumed run's fresh optimizer asks the checkpoint for its
         # state: "Missing key ... lm.lm_head.weight.step"). Tied, it is the embedding, which the critic trains
@@ -309,26 +316,6 @@ def load_critic(path: str, param_dtype: torch.dtype, device: torch.device, gradi
         return CriticModel(lm, head)  # the FSDP root: embedding, final norm, (unused) lm_head, value head
     return load_sharded(path, wrap, param_dtype, device, gradient_checkpointing, attn_implementation, cpu_offload,
                         compile)
-
-
-# The value head is not part of the Hugging Face model, so save_checkpoint (which writes the `lm` child) does not
-# write it. Its hidden + 1 floats go into the critic checkpoint's trainer_state.json instead: written atomically with
-# the rest, and exact (JSON keeps a double's shortest round-trip repr, and every fp32 is a double).
-
-@torch.no_grad()
-def value_head_state(critic: CriticModel) -> dict:
-    """The full value head as JSON-able lists. A collective under FSDP2: every rank calls it."""
-    return {name: full_tensor(p).float().cpu().tolist() for name, p in critic.value_head.named_parameters()}
-
-
-def saved_value_head(path: str) -> dict | None:
-    """The value head stored in `path`/trainer_state.json by value_head_state, or None (e.g. `path` is the policy's
-    model directory)."""
-    state_file = os.path.join(path, "trainer_state.json")
-    if not os.path.isfile(state_file):
-        return None
-    with open(state_file) as f:
-        return json.load(f).get("value_head")
 
 
 @torch.no_grad()
@@ -343,14 +330,15 @@ def critic_values(critic: CriticModel, rollout, groups: list[list[int]], pad_id:
 
 
 class ValueHeadState:
-    """The critic's value head as a checkpoint part's state (value_head_state; load_critic reads it back when it builds
-    the critic from a checkpoint, so loading it here is nothing)."""
+    """The critic's value head as a checkpoint part's state: tensors, which the checkpoint writes as
+    value_head.safetensors (load_critic reads it back as it builds the critic, so loading it here is nothing)."""
 
     def __init__(self, critic: CriticModel):
         self.critic = critic
 
-    def state_dict(self) -> dict:
-        return value_head_state(self.critic)
+    @torch.no_grad()
+    def state_dict(self) -> dict:  # a collective under FSDP2: every rank calls it
+        return {name: full_tensor(p).float().cpu() for name, p in self.critic.value_head.named_parameters()}
 
     def load_state_dict(self, state: dict) -> None:
         pass
