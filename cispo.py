@@ -1,18 +1,9 @@
 """CISPO: a policy gradient whose importance weights are clipped and detached, so that no token loses its gradient.
 
-What it is: CISPO (MiniMax-M1, "Scaling Test-Time Compute Efficiently with Lightning Attention", arXiv 2506.13585,
-Sec. 3.1): per token the loss -sg[clip(r_it, 1-eps_low, 1+eps_high)] A_i logp_it with r_it = exp(logp - old_logp),
-summed over the mini-batch's response tokens and divided by their number (all ranks and micro-batches). PPO's clip
-zeroes the gradient of a token whose ratio leaves the range (often the rare tokens that fork a line of reasoning);
-CISPO only bounds its weight. No lower bound by default (the paper sets eps_low large: 1 - eps_low = 0), the upper
-at 5 (the cap that TRL recommends for its loss_type="cispo", after ScaleRL, arXiv 2510.13786; the paper gives no
-value). Advantages are GRPO's, normalized by the group's std (the paper's eq. 2; as gspo.py). No KL term (--kl-coef
-adds one), no entropy
-bonus. The rollout corrections and --old-logp are grpo.py's (corrections.py, docs/corrections.md): their weight
-multiplies each token's CISPO term. `diff grpo.py cispo.py` shows what CISPO changes; new lines are marked `# CISPO:`.
+What it computes, each formula's source and the defaults: docs/algorithms.md, this script's section.
 
-    python cispo.py                                  # the built-in task: a tiny model learns addition, no downloads
-    python cispo.py --precision bf16                 # the same in BF16, to see the mismatch grow
+    python cispo.py                                   # the built-in task: a tiny model learns addition, no downloads
+    python cispo.py --precision bf16                  # the same in BF16, to see the mismatch grow
     torchrun --nproc_per_node 8 cispo.py --model /path/to/DeepSeek-R1-Distill-Qwen-1.5B \\
         --dataset math_train.parquet --eval-dataset aime24.jsonl --precision fp16
 
@@ -134,25 +125,20 @@ def std_advantages(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def kl_k3(logp_BT, ref_logp_BT):
-    """KL: the per-token k3 estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta (Schulman 2020,
-    "Approximating KL Divergence"; verl's kl_penalty "low_var_kl"): k3 = exp(d) - d - 1 >= 0, d = ref_logp - logp,
-    with d clamped to [-20, 20] (exp stays finite) and k3 to at most 10, as verl does. As a loss term its gradient in
-    logp is (1 - exp(d)), which in expectation over pi_theta's samples is the gradient of KL(pi_ref || pi_theta)."""
+    """KL: k3 = exp(d) - d - 1, d = ref_logp - logp, per token: KL(pi_theta || pi_ref) with verl's low_var_kl clamps
+    (docs/reward-models.md, "A leash on the policy")."""
     d_BT = (ref_logp_BT - logp_BT).clamp(-20.0, 20.0)
     return (torch.exp(d_BT) - d_BT - 1).clamp(max=10.0)
 
 
 def policy_loss(logp_BT, old_logp_BT, adv_B, weight_BT, mask_BT, eps_low: float, eps_high: float, num_tokens: float,
                 ref_logp_BT=None, kl_coef: float = 0.0):
-    """CISPO's objective (arXiv 2506.13585 eq. 4-5), as a loss with its token-count normalizer:
-    loss = (1/N_tok) sum_i sum_t m_it (-w_it sg[clip(r_it, 1-eps_low, 1+eps_high)] A_i logp_it + beta k3_it),
-    r_it = exp(logp - old_logp), w_it the rollout correction's weight, beta k3_it the KL penalty to the reference
-    (kl_k3; only with ref_logp_BT, beta = kl_coef; the correction does not weight it). N_tok is the mini-batch's
-    response-token count over all ranks and micro-batches, so summing this over micro-batches (and averaging gradients
-    over ranks, each rank's loss times world size) gives the same value whatever the split. Every token keeps a
-    gradient, -w r_clipped A / N_tok on its logp.
-    Returns (loss, {metric: (total, count)}: the means over these tokens of policy/clip_frac (tokens whose weight was
-    clipped: unlike PPO's, their gradient stays) and policy/approx_kl, 0-d tensors that the step adds up)."""
+    """CISPO's objective with its token-count normalizer (docs/algorithms.md):
+    loss = (1/N_tok) sum_i sum_t m_it (w_it l_it + beta k3_it), w_it the rollout correction's weight,
+    l_it = -sg[clip(r_it, 1-eps_low, 1+eps_high)] A_i logp_it, r_it = exp(logp - old_logp), beta k3_it: kl_k3.
+    The normalizer counts all ranks and micro-batches, so the sum over micro-batches (each rank's loss times world
+    size) is the same whatever the split.
+    Returns (loss, {metric: (total, count)}), 0-d tensors that the step adds up (a .item() would wait for the GPU)."""
     m = mask_BT.float()
     log_ratio_BT = logp_BT - old_logp_BT
     ratio_BT = torch.exp(log_ratio_BT.detach())
@@ -275,13 +261,13 @@ def main(args: Args) -> None:
             ref_BT = rollout.padded(logprobs.recompute_logprobs(ref, rollout, groups, pad_id, args.temperature,
                                                                 infra.logprob_chunk, device)) if ref else None
 
-        # --- 4. the mismatch of the sampler's mu_logp and the trainer's old_logp, every response token; the weights
+        # --- 4. the mismatch of the sampler's mu_logp and the trainer's old_logp, every response token
         mask_BT, mu_BT = rollout.mask(), rollout.padded(rollout.logprobs)
         old_BT = rollout.padded(old_logp) if recomputed else mu_BT
         check_finite_logprobs(step, mask_BT, device, train_dtype, rollout_dtype, old_logp=old_BT, mu_logp=mu_BT)
-        if recomputed:  # (with --old-logp mu: from the first mini-batch's forward, in 5)
+        if recomputed:  # (else from the first mini-batch's forward, in 5)
             args.corrections.measure(stats, old_BT, mu_BT, mask_BT)
-        w_BT = args.corrections.weights(stats, old_BT, mu_BT, mask_BT)
+        w_BT = args.corrections.weights(stats, old_BT, mu_BT, mask_BT)  # the rollout corrections' weights
         metrics.reference_kl(stats, old_BT, ref_BT, mask_BT)  # KL: how far pi_old is from the reference (kl_ref/*)
 
         # --- 5. num_minibatches optimizer steps over the rollout batch (whole groups per mini-batch)
