@@ -3,9 +3,10 @@
 What it computes, each formula's source and the defaults: docs/algorithms.md, this script's section.
 
     python cispo.py                                   # the built-in task: a tiny model learns addition, no downloads
-    python cispo.py --precision bf16                  # the same in BF16, to see the mismatch grow
     torchrun --nproc_per_node 8 cispo.py --model /path/to/DeepSeek-R1-Distill-Qwen-1.5B \\
         --dataset math_train.parquet --eval-dataset aime24.jsonl --precision fp16
+
+With --precision bf16 the training-inference mismatch grows (docs/results.md).
 
 One step: sample a rollout batch (prompts x G responses) -> rewards -> advantages -> recompute old_logp with the
 trainer -> num_minibatches optimizer steps, each accumulating micro-batches sized by a token budget -> push the
@@ -92,9 +93,9 @@ class Args:
     """beta of a KL penalty to the reference policy, the run's starting weights (frozen): beta * k3 per token in the
     loss, under the loss's normalizer (verl's use_kl_loss with low_var_kl); 0: none, and no reference is loaded"""
     eps_low: float = 1.0  # CISPO: no lower bound (arXiv 2506.13585 Sec. 3.1)
-    """CISPO: lower bound 1 - eps_low on the importance weight r_it (1: none)"""
+    """the clip's lower bound 1 - eps_low on the ratio"""
     eps_high: float = 4.0  # CISPO: a weight of at most 5 (TRL's recommendation for loss_type="cispo")
-    """CISPO: upper bound 1 + eps_high on the importance weight r_it"""
+    """the clip's upper bound 1 + eps_high on the ratio"""
     corrections: CorrectionsField = dataclasses.field(default_factory=Corrections)
     """the rollout corrections: --is-correction, --is-threshold, --is-reject, --is-veto and their bounds
     (corrections.py)"""
@@ -118,8 +119,7 @@ BUILTIN = dict(num_steps=100, num_prompts=64, group_size=8, num_minibatches=2, m
 # The algorithm: pure functions, importable without side effects.
 
 def std_advantages(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
-    """GRPO with std (CISPO, arXiv 2506.13585 eq. 2): A_i = (r_i - mean) / (std + 1e-6) over its group, std being
-    torch.std's default, the unbiased estimate (divides by G - 1). rewards_B holds whole groups in order."""
+    """GRPO with std (CISPO): A_i = (r_i - mean) / (std + 1e-6) over its group (torch.std: G - 1 divides)."""
     r_GN = rewards_B.view(-1, group_size)
     return ((r_GN - r_GN.mean(-1, keepdim=True)) / (r_GN.std(-1, keepdim=True) + 1e-6)).view(-1)
 
@@ -245,7 +245,7 @@ def main(args: Args) -> None:
             sampler.sleep()
         rollout.log(stats)  # response lengths, truncation, tokens per second
 
-        # --- 2. rewards and std-normalized advantages (CISPO, arXiv 2506.13585 eq. 2; groups are whole on each rank)
+        # --- 2. rewards and advantages (groups are whole on each rank)
         rewards_B = reward(step, rollout, batch, stats)
         adv_B = std_advantages(rewards_B, args.group_size)  # CISPO
 
@@ -293,7 +293,7 @@ def main(args: Args) -> None:
                     loss, loss_stats = policy_loss(logp_BT, old_mb, adv_mb, torch.where(keep_BT, w_mb, 0.0), rmask,
                                                    args.eps_low, args.eps_high, max(num_tokens[k], 1.0),  # CISPO
                                                    ref_mb, args.kl_coef)
-                    # FSDP averages gradients over ranks; times world_size makes that the global sum / N_tok
+                    # FSDP averages gradients over ranks; times world_size makes that the global sum
                     scaler.scale_loss(loss * world_size).backward()
                     stats.add("train/loss", loss.detach() / args.num_minibatches)  # the mini-batches' mean loss
                     stats.update(loss_stats)

@@ -3,9 +3,10 @@
 What it computes, each formula's source and the defaults: docs/algorithms.md, this script's section.
 
     python grpo.py                                   # the built-in task: a tiny model learns addition, no downloads
-    python grpo.py --precision bf16                  # the same in BF16, to see the mismatch grow
     torchrun --nproc_per_node 8 grpo.py --model /path/to/DeepSeek-R1-Distill-Qwen-1.5B \\
         --dataset math_train.parquet --eval-dataset aime24.jsonl --precision fp16
+
+With --precision bf16 the training-inference mismatch grows (docs/results.md).
 
 One step: sample a rollout batch (prompts x G responses) -> rewards -> advantages -> recompute old_logp with the
 trainer -> num_minibatches optimizer steps, each accumulating micro-batches sized by a token budget -> push the
@@ -92,9 +93,9 @@ class Args:
     """beta of a KL penalty to the reference policy, the run's starting weights (frozen): beta * k3 per token in the
     loss, under the loss's normalizer (verl's use_kl_loss with low_var_kl); 0: none, and no reference is loaded"""
     eps_low: float = 0.2
-    """PPO clip: lower bound 1 - eps_low on the ratio"""
-    eps_high: float = 0.28
-    """PPO clip-higher (DAPO): upper bound 1 + eps_high on the ratio"""
+    """the clip's lower bound 1 - eps_low on the ratio"""
+    eps_high: float = 0.28  # clip-higher (DAPO)
+    """the clip's upper bound 1 + eps_high on the ratio"""
     corrections: CorrectionsField = dataclasses.field(default_factory=Corrections)
     """the rollout corrections: --is-correction, --is-threshold, --is-reject, --is-veto and their bounds
     (corrections.py)"""
@@ -245,7 +246,7 @@ def main(args: Args) -> None:
             sampler.sleep()
         rollout.log(stats)  # response lengths, truncation, tokens per second
 
-        # --- 2. rewards and Dr.GRPO advantages (groups are whole on each rank)
+        # --- 2. rewards and advantages (groups are whole on each rank)
         rewards_B = reward(step, rollout, batch, stats)
         adv_B = drgrpo_advantages(rewards_B, args.group_size)
 
@@ -293,7 +294,7 @@ def main(args: Args) -> None:
                     loss, loss_stats = policy_loss(logp_BT, old_mb, adv_mb, torch.where(keep_BT, w_mb, 0.0), rmask,
                                                    args.eps_low, args.eps_high, args.max_response_len, num_seqs,
                                                    ref_mb, args.kl_coef)
-                    # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
+                    # FSDP averages gradients over ranks; times world_size makes that the global sum
                     scaler.scale_loss(loss * world_size).backward()
                     stats.add("train/loss", loss.detach() / args.num_minibatches)  # the mini-batches' mean loss
                     stats.update(loss_stats)

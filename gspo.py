@@ -3,9 +3,10 @@
 What it computes, each formula's source and the defaults: docs/algorithms.md, this script's section.
 
     python gspo.py                                   # the built-in task: a tiny model learns addition, no downloads
-    python gspo.py --precision bf16                  # the same in BF16, to see the mismatch grow
     torchrun --nproc_per_node 8 gspo.py --model /path/to/DeepSeek-R1-Distill-Qwen-1.5B \\
         --dataset math_train.parquet --eval-dataset aime24.jsonl --precision fp16
+
+With --precision bf16 the training-inference mismatch grows (docs/results.md).
 
 One step: sample a rollout batch (prompts x G responses) -> rewards -> advantages -> recompute old_logp with the
 trainer -> num_minibatches optimizer steps, each accumulating micro-batches sized by a token budget -> push the
@@ -92,9 +93,9 @@ class Args:
     """beta of a KL penalty to the reference policy, the run's starting weights (frozen): beta * k3 per token in the
     loss, under the loss's normalizer (verl's use_kl_loss with low_var_kl); 0: none, and no reference is loaded"""
     eps_low: float = 3e-4  # GSPO: arXiv 2507.18071 Sec. 5.1
-    """GSPO clip: lower bound 1 - eps_low on the sequence ratio s_i"""
+    """the clip's lower bound 1 - eps_low on the ratio"""
     eps_high: float = 4e-4  # GSPO: arXiv 2507.18071 Sec. 5.1
-    """GSPO clip: upper bound 1 + eps_high on the sequence ratio s_i"""
+    """the clip's upper bound 1 + eps_high on the ratio"""
     is_threshold: float = 3.0  # GSPO: no --is-correction (mu enters only the mismatch metrics)
     """C of the is/token_clip_frac and is/seq_mask_frac diagnostics (GSPO corrects nothing with it)"""
     old_logp: Literal["recompute", "mu"] = "recompute"
@@ -117,8 +118,7 @@ BUILTIN = dict(num_steps=100, num_prompts=64, group_size=8, num_minibatches=2, m
 # The algorithm: pure functions, importable without side effects.
 
 def std_advantages(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
-    """GRPO with std (GSPO, arXiv 2507.18071 eq. 6): A_i = (r_i - mean) / (std + 1e-6) over its group, std being
-    torch.std's default, the unbiased estimate (divides by G - 1). rewards_B holds whole groups in order."""
+    """GRPO with std (GSPO): A_i = (r_i - mean) / (std + 1e-6) over its group (torch.std: G - 1 divides)."""
     r_GN = rewards_B.view(-1, group_size)
     return ((r_GN - r_GN.mean(-1, keepdim=True)) / (r_GN.std(-1, keepdim=True) + 1e-6)).view(-1)
 
@@ -242,7 +242,7 @@ def main(args: Args) -> None:
             sampler.sleep()
         rollout.log(stats)  # response lengths, truncation, tokens per second
 
-        # --- 2. rewards and std-normalized advantages (GSPO eq. 6; groups are whole on each rank)
+        # --- 2. rewards and advantages (groups are whole on each rank)
         rewards_B = reward(step, rollout, batch, stats)
         adv_B = std_advantages(rewards_B, args.group_size)  # GSPO
 
@@ -285,7 +285,7 @@ def main(args: Args) -> None:
                         stats.add("train/entropy", ent_BT.detach()[rmask].sum(), rmask.sum())
                     loss, loss_stats = policy_loss(logp_BT, old_mb, adv_mb, rmask, args.eps_low, args.eps_high,
                                                    num_seqs, ref_mb, args.kl_coef)  # GSPO
-                    # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
+                    # FSDP averages gradients over ranks; times world_size makes that the global sum
                     scaler.scale_loss(loss * world_size).backward()
                     stats.add("train/loss", loss.detach() / args.num_minibatches)  # the mini-batches' mean loss
                     stats.update(loss_stats)

@@ -3,9 +3,10 @@
 What it computes, each formula's source and the defaults: docs/algorithms.md, this script's section.
 
     python pg_is.py                                   # the built-in task: a tiny model learns addition, no downloads
-    python pg_is.py --precision bf16                  # the same in BF16, to see the mismatch grow
     torchrun --nproc_per_node 8 pg_is.py --model /path/to/DeepSeek-R1-Distill-Qwen-1.5B \\
         --dataset math_train.parquet --eval-dataset aime24.jsonl --precision fp16
+
+With --precision bf16 the training-inference mismatch grows (docs/results.md).
 
 One step: sample a rollout batch (prompts x G responses) -> rewards -> advantages -> recompute old_logp with the
 trainer -> num_minibatches optimizer steps, each accumulating micro-batches sized by a token budget -> push the
@@ -260,7 +261,7 @@ def main(args: Args) -> None:
             sampler.sleep()
         rollout.log(stats)  # response lengths, truncation, tokens per second
 
-        # --- 2. rewards and Dr.GRPO advantages (groups are whole on each rank)
+        # --- 2. rewards and advantages (groups are whole on each rank)
         rewards_B = reward(step, rollout, batch, stats)
         adv_B = drgrpo_advantages(rewards_B, args.group_size)
 
@@ -307,7 +308,7 @@ def main(args: Args) -> None:
                                                             rmask, args.is_mode, args.is_threshold,
                                                             args.max_response_len, num_seqs, ref_mb, args.kl_coef)
                     stats.max("is/ratio_max", rho_max)  # PG-Seq-IS
-                    # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
+                    # FSDP averages gradients over ranks; times world_size makes that the global sum
                     scaler.scale_loss(loss * world_size).backward()
                     stats.add("train/loss", loss.detach() / args.num_minibatches)  # the mini-batches' mean loss
                     stats.update(loss_stats)
