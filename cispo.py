@@ -101,8 +101,8 @@ class Args:
     (corrections.py)"""
     old_logp: Literal["recompute", "mu"] = "recompute"
     """pi_old of the PPO ratio: 'recompute' (a forward of the trainer over the batch before training) or 'mu' (the
-    sampler's log-probs, verl's bypass mode: no recompute, the ratio is pi_theta/mu, --is-correction is refused,
-    the rejection rules read pi_theta/mu, and mismatch/*, train/entropy come from the first mini-batch's forward)"""
+    sampler's log-probs, verl's bypass mode: no recompute, the ratio is pi_theta/mu, and mismatch/*, train/entropy
+    come from the first mini-batch's forward; --is-correction is refused, the rejection rules read pi_theta/mu)"""
     infra: cli.InfraField = dataclasses.field(default_factory=cli.Infra)
     """how the run is carried out: run directory, sampler, memory, faults, evaluation, checkpoints (common/cli.py)"""
 

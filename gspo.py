@@ -99,9 +99,9 @@ class Args:
     is_threshold: float = 3.0  # GSPO: no --is-correction (mu enters only the mismatch metrics)
     """C of the is/token_clip_frac and is/seq_mask_frac diagnostics (GSPO corrects nothing with it)"""
     old_logp: Literal["recompute", "mu"] = "recompute"
-    """pi_old of the sequence ratio s_i: 'recompute' (a forward of the trainer over the batch before training) or
-    'mu' (the sampler's log-probs, verl's bypass mode: no recompute, s_i = exp(mean_t log pi_theta/mu), and
-    mismatch/*, train/entropy come from the first mini-batch's forward)"""  # GSPO: as grpo.py's --old-logp
+    """pi_old of the PPO ratio: 'recompute' (a forward of the trainer over the batch before training) or 'mu' (the
+    sampler's log-probs, verl's bypass mode: no recompute, the ratio is pi_theta/mu, and mismatch/*, train/entropy
+    come from the first mini-batch's forward)"""
     infra: cli.InfraField = dataclasses.field(default_factory=cli.Infra)
     """how the run is carried out: run directory, sampler, memory, faults, evaluation, checkpoints (common/cli.py)"""
 

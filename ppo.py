@@ -106,8 +106,8 @@ class Args:
     (corrections.py)"""
     old_logp: Literal["recompute", "mu"] = "recompute"
     """pi_old of the PPO ratio: 'recompute' (a forward of the trainer over the batch before training) or 'mu' (the
-    sampler's log-probs, verl's bypass mode: no recompute, the ratio is pi_theta/mu, --is-correction is refused,
-    the rejection rules read pi_theta/mu, and mismatch/*, train/entropy come from the first mini-batch's forward)"""
+    sampler's log-probs, verl's bypass mode: no recompute, the ratio is pi_theta/mu, and mismatch/*, train/entropy
+    come from the first mini-batch's forward; --is-correction is refused, the rejection rules read pi_theta/mu)"""
     critic_lr: float = 1e-5  # PPO
     """critic AdamW learning rate (constant; betas, weight decay and grad-norm clip as the policy's)"""
     gamma: float = 1.0  # PPO
