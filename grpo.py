@@ -164,8 +164,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return cli.parse(Args, BUILTIN, argv)
 
 
-# the advantages' baseline is the group's mean reward: a group of one has no learning signal (a fork with another
-# baseline, as ppo.py's critic, drops this rule)
+# (a fork whose baseline is not the group's mean, as ppo.py's critic, drops this rule)
 GROUP_SIZE = (lambda x: x >= 2, "at least 2: the advantages' baseline is the group's mean reward, so a group of one "
               "has no learning signal")
 

@@ -150,11 +150,11 @@ def kl_k3(logp_BT, ref_logp_BT):
 def policy_loss(logp_BT, old_logp_BT, mu_logp_BT, adv_B, mask_BT, is_mode: str, threshold: float,
                 max_response_len: int, num_seqs: int, ref_logp_BT=None, kl_coef: float = 0.0):
     """PG-Seq-IS with Dr.GRPO's constant normalizer (docs/algorithms.md):
-    loss = (1/N_seq) sum_i sum_t m_it (l_it + beta k3_it) / L_max, beta k3_it: kl_k3,
+    loss = (1/N_seq) sum_i sum_t m_it (l_it + beta k3_it) / L_max, beta k3_it: kl_k3; also returns the largest rho,
     l_it = -sg[w_i] A_i logp_it, w_i from seq_importance_weights; old_logp only for policy/approx_kl (None: none).
     The normalizer counts all ranks and micro-batches, so the sum over micro-batches (each rank's loss times world
     size) is the same whatever the split.
-    Returns (loss, {metric: (total, count)}, the largest rho), 0-d tensors that the step adds up."""
+    Returns (loss, {metric: (total, count)}), 0-d tensors that the step adds up (a .item() would wait for the GPU)."""
     m = mask_BT.float()
     w_B, log_rho_B = seq_importance_weights(logp_BT.detach(), mu_logp_BT, m, is_mode, threshold)
     loss_BT = -(w_B * adv_B)[:, None] * logp_BT
@@ -180,8 +180,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return cli.parse(Args, BUILTIN, argv)
 
 
-# the advantages' baseline is the group's mean reward: a group of one has no learning signal (a fork with another
-# baseline, as ppo.py's critic, drops this rule)
+# (a fork whose baseline is not the group's mean, as ppo.py's critic, drops this rule)
 GROUP_SIZE = (lambda x: x >= 2, "at least 2: the advantages' baseline is the group's mean reward, so a group of one "
               "has no learning signal")
 
@@ -302,8 +301,7 @@ def main(args: Args) -> None:
                     if first:  # the mismatch of this micro-batch, as step 4 measures it after a recompute
                         measure(stats, logp_BT.detach(), mu_mb, rmask, args.is_threshold, True, TOKEN_CLIP)  # PG-Seq-IS
                         stats.add("train/entropy", ent_BT.detach()[rmask].sum(), rmask.sum())
-                    # PG-Seq-IS: rho from this logp (detached) and the sampler's mu_logp, arXiv 2510.26788 eq. 5; no
-                    # approx KL without pi_old of mini-batches 2..N
+                    # PG-Seq-IS: rho of this logp (detached) over mu_logp; no approx KL without a recompute
                     loss, loss_stats, rho_max = policy_loss(logp_BT, old_mb if recompute else None, mu_mb, adv_mb,
                                                             rmask, args.is_mode, args.is_threshold,
                                                             args.max_response_len, num_seqs, ref_mb, args.kl_coef)

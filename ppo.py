@@ -134,8 +134,7 @@ BUILTIN = dict(num_steps=100, num_prompts=128, group_size=4, num_minibatches=2, 
 
 def kl_rewards(old_logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, mask_BT: torch.Tensor,
                kl_coef: float) -> torch.Tensor:
-    """PPO, KL: InstructGPT's penalty in the reward, -beta (old_logp - ref_logp) per response token (no gradient;
-    docs/reward-models.md). Returns kl_rewards_BT, 0 off-mask."""
+    """PPO, KL: InstructGPT's penalty in the reward, -beta (old_logp - ref_logp) per response token, 0 off-mask."""
     return -kl_coef * (old_logp_BT - ref_logp_BT) * mask_BT.float()
 
 
@@ -159,8 +158,7 @@ def gae_advantages(rewards_B: torch.Tensor, values_BT: torch.Tensor, mask_BT: to
 
 
 def whiten_advantages(adv_BT: torch.Tensor, mask_BT: torch.Tensor, device=None) -> tuple[torch.Tensor, float]:
-    """PPO: (A - mean) / sqrt(var + 1e-8) over all ranks' response tokens (verl's masked_whiten), 0 off-mask; and the
-    raw advantages' population std (critic/adv_std_raw)."""
+    """PPO: (A - mean) / sqrt(var + 1e-8) over all ranks' response tokens (verl's masked_whiten); and the raw std."""
     m = mask_BT.double()
     a = adv_BT.double() * m
     r = reduce_stats({"n": m.sum(), "s1": a.sum(), "s2": (a * a).sum()}, "sum", device)  # float64
@@ -207,8 +205,7 @@ def value_loss(values_BT, old_values_BT, returns_BT, mask_BT, value_clip: float,
 
 def ppo_advantages(stats, rewards_B, values_BT, mask_BT, gamma: float, lam: float, device=None,
                    token_rewards_BT=None):
-    """PPO: (adv_BT, returns_BT), the GAE advantages whitened and the returns R = A + V_old (before whitening); the
-    critic's keys of V_old into stats."""
+    """PPO: GAE advantages, whitened, and returns R = A + V_old (before whitening); the critic's keys into stats."""
     adv_raw_BT, returns_BT = gae_advantages(rewards_B, values_BT, mask_BT, gamma, lam, token_rewards_BT)
     adv_BT, adv_std_raw = whiten_advantages(adv_raw_BT, mask_BT, device)
     stats.add("critic/value_mean", (values_BT * mask_BT).sum(), mask_BT.sum())
@@ -219,8 +216,7 @@ def ppo_advantages(stats, rewards_B, values_BT, mask_BT, gamma: float, lam: floa
 
 
 def explained_variance(values_BT, returns_BT, mask_BT, device=None) -> float:
-    """PPO: 1 - Var(R - V) / Var(R) over all ranks' response tokens (1: V_old explains the returns, 0: no better than
-    their mean)."""
+    """PPO: 1 - Var(R - V) / Var(R) over all ranks' response tokens (1: V explains R; 0: no better than R's mean)."""
     m = mask_BT.double()
     e, ret = (returns_BT - values_BT).double() * m, returns_BT.double() * m
     r = reduce_stats({"n": m.sum(), "e": e.sum(), "e2": (e * e).sum(), "r": ret.sum(), "r2": (ret * ret).sum()},
@@ -233,8 +229,7 @@ def explained_variance(values_BT, returns_BT, mask_BT, device=None) -> float:
 # PPO: the critic (the value model) and its value head
 
 class CriticModel(nn.Module):
-    """`lm`: a Hugging Face causal LM (its lm_head unused, kept so that the checkpoint is a model directory);
-    `value_head`: nn.Linear(hidden, 1) on the final hidden states. The FSDP2 root (load_sharded)."""
+    """`lm`: a Hugging Face causal LM (lm_head unused); `value_head`: nn.Linear(hidden, 1) on its last hidden states."""
 
     def __init__(self, lm: nn.Module, value_head: nn.Linear):
         super().__init__()
@@ -242,8 +237,7 @@ class CriticModel(nn.Module):
         self.value_head = value_head
 
     def forward(self, input_ids_BL, attention_mask_BL, response_mask_BT):
-        """Same inputs and layout as PolicyModel.forward. Returns values_BT, fp32, 0 off-mask: V(s_t) at the position
-        whose logits predict response token t."""
+        """As PolicyModel.forward; returns values_BT, fp32, 0 off-mask: V(s_t) where the logits predict token t."""
         hidden_NH, _ = logprobs.response_hidden(self.lm, input_ids_BL, attention_mask_BL, response_mask_BT)
         # the head's product in fp32 (its weights arrive in the compute dtype): values are never rounded to 16 bits
         w, b = self.value_head.weight, self.value_head.bias
@@ -253,8 +247,7 @@ class CriticModel(nn.Module):
 
 
 def init_value_head(hidden_size: int, seed: int) -> nn.Linear:
-    """weight ~ N(0, (1/(hidden+1))^2), bias 0 (OpenRLHF's), from its own generator seeded with `seed`: every rank
-    builds the same head whatever else consumed the global random stream."""
+    """weight ~ N(0, (1/(hidden+1))^2), bias 0 (OpenRLHF's), from its own generator: the same head on every rank."""
     head = nn.Linear(hidden_size, 1)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -265,9 +258,8 @@ def init_value_head(hidden_size: int, seed: int) -> nn.Linear:
 
 def load_critic(path: str, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool, seed: int,
                 attn_implementation: str = "sdpa", cpu_offload: bool = False, compile: bool = False) -> CriticModel:
-    """Load fp32 master weights from the model directory `path` (the policy's, or a critic checkpoint), add the value
-    head (a critic checkpoint's value_head.safetensors, else a fresh one from `seed`), shard with FSDP2 as load_policy
-    does and return the CriticModel (the FSDP root)."""
+    """The CriticModel (the FSDP2 root, sharded as load_policy does) from the model directory `path`, the policy's or a
+    critic checkpoint's (then with its value_head.safetensors; else a fresh head from `seed`)."""
     def wrap(lm):
         head = init_value_head(lm.config.hidden_size, seed)
         file, old = os.path.join(path, "value_head.safetensors"), os.path.join(path, "trainer_state.json")
@@ -293,8 +285,7 @@ def load_critic(path: str, param_dtype: torch.dtype, device: torch.device, gradi
 
 @torch.no_grad()
 def critic_values(critic: CriticModel, rollout, groups: list[list[int]], pad_id: int, device) -> list[torch.Tensor]:
-    """V_old, the critic's value of every response token without gradients, micro-batch by micro-batch (`groups`, as
-    common.logprobs.recompute_logprobs takes them): one fp32 CPU tensor per sequence, of its response's length."""
+    """V_old without gradient, micro-batch by micro-batch (`groups`): one fp32 CPU tensor per sequence's response."""
     values = [None] * len(rollout.response_ids)
     for mb in groups:
         for i, row in zip(mb, critic(*rollout.rows(mb, pad_id, device)).cpu()):
@@ -303,8 +294,7 @@ def critic_values(critic: CriticModel, rollout, groups: list[list[int]], pad_id:
 
 
 class ValueHeadState:
-    """The critic's value head as a checkpoint part's state: tensors, which the checkpoint writes as
-    value_head.safetensors (load_critic reads it back as it builds the critic, so loading it here is nothing)."""
+    """The value head as a checkpoint's state, value_head.safetensors (load_critic reads it back as it builds)."""
 
     def __init__(self, critic: CriticModel):
         self.critic = critic
@@ -349,10 +339,9 @@ def main(args: Args) -> None:
     run = rundir.RunDir(infra.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}"), infra, device,
                         cli.run_config(__file__, args))
     critic_dir = run.resume_dir and os.path.join(run.resume_dir, "critic")  # PPO: the critic's part of a checkpoint
-    if critic_dir and not os.path.isdir(critic_dir):  # PPO: written before the critic moved into the step's folder
-        raise ValueError(f"--resume {run.resume_dir}: not a complete checkpoint of ppo.py (no critic/ in it); an older "
-                         f"ppo.py kept it in <run_dir>/critic_checkpoints/{os.path.basename(run.resume_dir)}: move "
-                         "that folder there, renamed critic")
+    if critic_dir and not os.path.isdir(critic_dir):  # PPO: an older ppo.py's checkpoint
+        raise ValueError(f"--resume {run.resume_dir}: not a complete checkpoint of ppo.py (no critic/ in it): move "
+                         f"<run_dir>/critic_checkpoints/{os.path.basename(run.resume_dir)} there, renamed critic")
 
     # --- data: the tokenizer, the training and evaluation problems (the built-in task's, without --model)
     model_path, tokenizer, problems, eval_sets = data.load_task(args.model, args.dataset, infra.eval_dataset,
