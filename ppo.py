@@ -132,8 +132,7 @@ BUILTIN = dict(num_steps=100, num_prompts=128, group_size=4, num_minibatches=2, 
 # ----------------------------------------------------------------------------------------------------------------
 # The algorithm: pure functions, importable without side effects.
 
-def kl_rewards(old_logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, mask_BT: torch.Tensor,
-               kl_coef: float) -> torch.Tensor:
+def kl_rewards(old_logp_BT, ref_logp_BT, mask_BT, kl_coef: float) -> torch.Tensor:
     """PPO, KL: InstructGPT's penalty in the reward, -beta (old_logp - ref_logp) per response token, 0 off-mask."""
     return -kl_coef * (old_logp_BT - ref_logp_BT) * mask_BT.float()
 
