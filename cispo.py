@@ -1,20 +1,12 @@
 """CISPO: a policy gradient whose importance weights are clipped and detached, so that no token loses its gradient.
 
-What it is: CISPO (MiniMax-M1, "Scaling Test-Time Compute Efficiently with Lightning Attention", arXiv 2506.13585,
-Sec. 3.1): per token the loss -sg[clip(r_it, 1-eps_low, 1+eps_high)] A_i logp_it with r_it = exp(logp - old_logp),
-summed over the mini-batch's response tokens and divided by their number (all ranks and micro-batches). PPO's clip
-zeroes the gradient of a token whose ratio leaves the range (often the rare tokens that fork a line of reasoning);
-CISPO only bounds its weight. No lower bound by default (the paper sets eps_low large: 1 - eps_low = 0), the upper
-at 5 (the cap that TRL recommends for its loss_type="cispo", after ScaleRL, arXiv 2510.13786; the paper gives no
-value). Advantages are GRPO's, normalized by the group's std (the paper's eq. 2; as gspo.py). No KL term (--kl-coef
-adds one), no entropy
-bonus. The rollout corrections and --old-logp are grpo.py's (corrections.py, docs/corrections.md): their weight
-multiplies each token's CISPO term. `diff grpo.py cispo.py` shows what CISPO changes; new lines are marked `# CISPO:`.
+What it computes, each formula's source and the defaults: docs/algorithms.md, this script's section.
 
-    python cispo.py                                  # the built-in task: a tiny model learns addition, no downloads
-    python cispo.py --precision bf16                 # the same in BF16, to see the mismatch grow
+    python cispo.py                                   # the built-in task: a tiny model learns addition, no downloads
     torchrun --nproc_per_node 8 cispo.py --model /path/to/DeepSeek-R1-Distill-Qwen-1.5B \\
         --dataset math_train.parquet --eval-dataset aime24.jsonl --precision fp16
+
+With --precision bf16 the training-inference mismatch grows (docs/results.md).
 
 One step: sample a rollout batch (prompts x G responses) -> rewards -> advantages -> recompute old_logp with the
 trainer -> num_minibatches optimizer steps, each accumulating micro-batches sized by a token budget -> push the
@@ -101,16 +93,16 @@ class Args:
     """beta of a KL penalty to the reference policy, the run's starting weights (frozen): beta * k3 per token in the
     loss, under the loss's normalizer (verl's use_kl_loss with low_var_kl); 0: none, and no reference is loaded"""
     eps_low: float = 1.0  # CISPO: no lower bound (arXiv 2506.13585 Sec. 3.1)
-    """CISPO: lower bound 1 - eps_low on the importance weight r_it (1: none)"""
+    """the clip's lower bound 1 - eps_low on the ratio"""
     eps_high: float = 4.0  # CISPO: a weight of at most 5 (TRL's recommendation for loss_type="cispo")
-    """CISPO: upper bound 1 + eps_high on the importance weight r_it"""
+    """the clip's upper bound 1 + eps_high on the ratio"""
     corrections: CorrectionsField = dataclasses.field(default_factory=Corrections)
     """the rollout corrections: --is-correction, --is-threshold, --is-reject, --is-veto and their bounds
     (corrections.py)"""
     old_logp: Literal["recompute", "mu"] = "recompute"
     """pi_old of the PPO ratio: 'recompute' (a forward of the trainer over the batch before training) or 'mu' (the
-    sampler's log-probs, verl's bypass mode: no recompute, the ratio is pi_theta/mu, --is-correction is refused,
-    the rejection rules read pi_theta/mu, and mismatch/*, train/entropy come from the first mini-batch's forward)"""
+    sampler's log-probs, verl's bypass mode: no recompute, the ratio is pi_theta/mu, and mismatch/*, train/entropy
+    come from the first mini-batch's forward; --is-correction is refused, the rejection rules read pi_theta/mu)"""
     infra: cli.InfraField = dataclasses.field(default_factory=cli.Infra)
     """how the run is carried out: run directory, sampler, memory, faults, evaluation, checkpoints (common/cli.py)"""
 
@@ -127,32 +119,26 @@ BUILTIN = dict(num_steps=100, num_prompts=64, group_size=8, num_minibatches=2, m
 # The algorithm: pure functions, importable without side effects.
 
 def std_advantages(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
-    """GRPO with std (CISPO, arXiv 2506.13585 eq. 2): A_i = (r_i - mean) / (std + 1e-6) over its group, std being
-    torch.std's default, the unbiased estimate (divides by G - 1). rewards_B holds whole groups in order."""
+    """GRPO with std (CISPO): A_i = (r_i - mean) / (std + 1e-6) over its group (torch.std: G - 1 divides)."""
     r_GN = rewards_B.view(-1, group_size)
     return ((r_GN - r_GN.mean(-1, keepdim=True)) / (r_GN.std(-1, keepdim=True) + 1e-6)).view(-1)
 
 
 def kl_k3(logp_BT, ref_logp_BT):
-    """KL: the per-token k3 estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta (Schulman 2020,
-    "Approximating KL Divergence"; verl's kl_penalty "low_var_kl"): k3 = exp(d) - d - 1 >= 0, d = ref_logp - logp,
-    with d clamped to [-20, 20] (exp stays finite) and k3 to at most 10, as verl does. As a loss term its gradient in
-    logp is (1 - exp(d)), which in expectation over pi_theta's samples is the gradient of KL(pi_ref || pi_theta)."""
+    """KL: k3 = exp(d) - d - 1, d = ref_logp - logp, per token: KL(pi_theta || pi_ref) with verl's low_var_kl clamps
+    (docs/reward-models.md, "A leash on the policy")."""
     d_BT = (ref_logp_BT - logp_BT).clamp(-20.0, 20.0)
     return (torch.exp(d_BT) - d_BT - 1).clamp(max=10.0)
 
 
 def policy_loss(logp_BT, old_logp_BT, adv_B, weight_BT, mask_BT, eps_low: float, eps_high: float, num_tokens: float,
                 ref_logp_BT=None, kl_coef: float = 0.0):
-    """CISPO's objective (arXiv 2506.13585 eq. 4-5), as a loss with its token-count normalizer:
-    loss = (1/N_tok) sum_i sum_t m_it (-w_it sg[clip(r_it, 1-eps_low, 1+eps_high)] A_i logp_it + beta k3_it),
-    r_it = exp(logp - old_logp), w_it the rollout correction's weight, beta k3_it the KL penalty to the reference
-    (kl_k3; only with ref_logp_BT, beta = kl_coef; the correction does not weight it). N_tok is the mini-batch's
-    response-token count over all ranks and micro-batches, so summing this over micro-batches (and averaging gradients
-    over ranks, each rank's loss times world size) gives the same value whatever the split. Every token keeps a
-    gradient, -w r_clipped A / N_tok on its logp.
-    Returns (loss, {metric: (total, count)}: the means over these tokens of policy/clip_frac (tokens whose weight was
-    clipped: unlike PPO's, their gradient stays) and policy/approx_kl, 0-d tensors that the step adds up)."""
+    """CISPO's objective with its token-count normalizer (docs/algorithms.md):
+    loss = (1/N_tok) sum_i sum_t m_it (w_it l_it + beta k3_it), w_it the rollout correction's weight,
+    l_it = -sg[clip(r_it, 1-eps_low, 1+eps_high)] A_i logp_it, r_it = exp(logp - old_logp), beta k3_it: kl_k3.
+    The normalizer counts all ranks and micro-batches, so the sum over micro-batches (each rank's loss times world
+    size) is the same whatever the split.
+    Returns (loss, {metric: (total, count)}), 0-d tensors that the step adds up (a .item() would wait for the GPU)."""
     m = mask_BT.float()
     log_ratio_BT = logp_BT - old_logp_BT
     ratio_BT = torch.exp(log_ratio_BT.detach())
@@ -176,8 +162,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return cli.parse(Args, BUILTIN, argv)
 
 
-# the advantages' baseline is the group's mean reward: a group of one has no learning signal (a fork with another
-# baseline, as ppo.py's critic, drops this rule)
+# (a fork whose baseline is not the group's mean, as ppo.py's critic, drops this rule)
 GROUP_SIZE = (lambda x: x >= 2, "at least 2: the advantages' baseline is the group's mean reward, so a group of one "
               "has no learning signal")
 
@@ -259,7 +244,7 @@ def main(args: Args) -> None:
             sampler.sleep()
         rollout.log(stats)  # response lengths, truncation, tokens per second
 
-        # --- 2. rewards and std-normalized advantages (CISPO, arXiv 2506.13585 eq. 2; groups are whole on each rank)
+        # --- 2. rewards and advantages (groups are whole on each rank)
         rewards_B = reward(step, rollout, batch, stats)
         adv_B = std_advantages(rewards_B, args.group_size)  # CISPO
 
@@ -275,13 +260,13 @@ def main(args: Args) -> None:
             ref_BT = rollout.padded(logprobs.recompute_logprobs(ref, rollout, groups, pad_id, args.temperature,
                                                                 infra.logprob_chunk, device)) if ref else None
 
-        # --- 4. the mismatch of the sampler's mu_logp and the trainer's old_logp, every response token; the weights
+        # --- 4. the mismatch of the sampler's mu_logp and the trainer's old_logp, every response token
         mask_BT, mu_BT = rollout.mask(), rollout.padded(rollout.logprobs)
         old_BT = rollout.padded(old_logp) if recomputed else mu_BT
         check_finite_logprobs(step, mask_BT, device, train_dtype, rollout_dtype, old_logp=old_BT, mu_logp=mu_BT)
-        if recomputed:  # (with --old-logp mu: from the first mini-batch's forward, in 5)
+        if recomputed:  # (else from the first mini-batch's forward, in 5)
             args.corrections.measure(stats, old_BT, mu_BT, mask_BT)
-        w_BT = args.corrections.weights(stats, old_BT, mu_BT, mask_BT)
+        w_BT = args.corrections.weights(stats, old_BT, mu_BT, mask_BT)  # the rollout corrections' weights
         metrics.reference_kl(stats, old_BT, ref_BT, mask_BT)  # KL: how far pi_old is from the reference (kl_ref/*)
 
         # --- 5. num_minibatches optimizer steps over the rollout batch (whole groups per mini-batch)
@@ -307,7 +292,7 @@ def main(args: Args) -> None:
                     loss, loss_stats = policy_loss(logp_BT, old_mb, adv_mb, torch.where(keep_BT, w_mb, 0.0), rmask,
                                                    args.eps_low, args.eps_high, max(num_tokens[k], 1.0),  # CISPO
                                                    ref_mb, args.kl_coef)
-                    # FSDP averages gradients over ranks; times world_size makes that the global sum / N_tok
+                    # FSDP averages gradients over ranks; times world_size makes that the global sum
                     scaler.scale_loss(loss * world_size).backward()
                     stats.add("train/loss", loss.detach() / args.num_minibatches)  # the mini-batches' mean loss
                     stats.update(loss_stats)

@@ -1,16 +1,12 @@
 """Dr.GRPO, with optional rollout corrections for the training-inference mismatch (Token-TIS, Seq-MIS, ...).
 
-What it is: GRPO as in Dr.GRPO ("Understanding R1-Zero-Like Training", Liu et al. 2025): group-mean baseline without
-std, PPO clip with clip-higher (eps_low 0.2, eps_high 0.28, DAPO), token sums divided by a constant (the maximum
-response length), no KL term (--kl-coef adds one, to the starting weights), no entropy bonus. The sampler's log-probs
-(mu) enter only through the rollout corrections (corrections.py, docs/corrections.md): a weight on each token's loss
-(--is-correction token-tis, seq-mis as in the FP16 study, arXiv 2510.26788, ...) and rejection rules (--is-reject,
---is-veto). --old-logp mu: pi_old is mu.
+What it computes, each formula's source and the defaults: docs/algorithms.md, this script's section.
 
     python grpo.py                                   # the built-in task: a tiny model learns addition, no downloads
-    python grpo.py --precision bf16                  # the same in BF16, to see the mismatch grow
     torchrun --nproc_per_node 8 grpo.py --model /path/to/DeepSeek-R1-Distill-Qwen-1.5B \\
         --dataset math_train.parquet --eval-dataset aime24.jsonl --precision fp16
+
+With --precision bf16 the training-inference mismatch grows (docs/results.md).
 
 One step: sample a rollout batch (prompts x G responses) -> rewards -> advantages -> recompute old_logp with the
 trainer -> num_minibatches optimizer steps, each accumulating micro-batches sized by a token budget -> push the
@@ -97,16 +93,16 @@ class Args:
     """beta of a KL penalty to the reference policy, the run's starting weights (frozen): beta * k3 per token in the
     loss, under the loss's normalizer (verl's use_kl_loss with low_var_kl); 0: none, and no reference is loaded"""
     eps_low: float = 0.2
-    """PPO clip: lower bound 1 - eps_low on the ratio"""
-    eps_high: float = 0.28
-    """PPO clip-higher (DAPO): upper bound 1 + eps_high on the ratio"""
+    """the clip's lower bound 1 - eps_low on the ratio"""
+    eps_high: float = 0.28  # clip-higher (DAPO)
+    """the clip's upper bound 1 + eps_high on the ratio"""
     corrections: CorrectionsField = dataclasses.field(default_factory=Corrections)
     """the rollout corrections: --is-correction, --is-threshold, --is-reject, --is-veto and their bounds
     (corrections.py)"""
     old_logp: Literal["recompute", "mu"] = "recompute"
     """pi_old of the PPO ratio: 'recompute' (a forward of the trainer over the batch before training) or 'mu' (the
-    sampler's log-probs, verl's bypass mode: no recompute, the ratio is pi_theta/mu, --is-correction is refused,
-    the rejection rules read pi_theta/mu, and mismatch/*, train/entropy come from the first mini-batch's forward)"""
+    sampler's log-probs, verl's bypass mode: no recompute, the ratio is pi_theta/mu, and mismatch/*, train/entropy
+    come from the first mini-batch's forward; --is-correction is refused, the rejection rules read pi_theta/mu)"""
     infra: cli.InfraField = dataclasses.field(default_factory=cli.Infra)
     """how the run is carried out: run directory, sampler, memory, faults, evaluation, checkpoints (common/cli.py)"""
 
@@ -129,24 +125,20 @@ def drgrpo_advantages(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def kl_k3(logp_BT, ref_logp_BT):
-    """KL: the per-token k3 estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta (Schulman 2020,
-    "Approximating KL Divergence"; verl's kl_penalty "low_var_kl"): k3 = exp(d) - d - 1 >= 0, d = ref_logp - logp,
-    with d clamped to [-20, 20] (exp stays finite) and k3 to at most 10, as verl does. As a loss term its gradient in
-    logp is (1 - exp(d)), which in expectation over pi_theta's samples is the gradient of KL(pi_ref || pi_theta)."""
+    """KL: k3 = exp(d) - d - 1, d = ref_logp - logp, per token: KL(pi_theta || pi_ref) with verl's low_var_kl clamps
+    (docs/reward-models.md, "A leash on the policy")."""
     d_BT = (ref_logp_BT - logp_BT).clamp(-20.0, 20.0)
     return (torch.exp(d_BT) - d_BT - 1).clamp(max=10.0)
 
 
 def policy_loss(logp_BT, old_logp_BT, adv_B, weight_BT, mask_BT, eps_low: float, eps_high: float,
                 max_response_len: int, num_seqs: int, ref_logp_BT=None, kl_coef: float = 0.0):
-    """Dr.GRPO's clipped surrogate with the constant normalizer:
-    loss = (1/N_seq) sum_i sum_t m_it (w_it l_it + beta k3_it) / L_max,
-    l_it = -min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i), r_it = exp(logp - old_logp), beta k3_it the KL
-    penalty to the reference (kl_k3; only with ref_logp_BT, beta = kl_coef; the rollout corrections do not weight it).
-    N_seq is the mini-batch's sequence count over all ranks and micro-batches, so summing this over micro-batches
-    (and averaging gradients over ranks, each rank's loss times world size) gives the same value whatever the split.
-    Returns (loss, {metric: (total, count)}: the means over these tokens of policy/clip_frac and policy/approx_kl, 0-d
-    tensors that the step adds up over micro-batches and ranks: a .item() here would wait for the GPU)."""
+    """Dr.GRPO's clipped surrogate with the constant normalizer (docs/algorithms.md):
+    loss = (1/N_seq) sum_i sum_t m_it (w_it l_it + beta k3_it) / L_max, w_it the rollout correction's weight,
+    l_it = -min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i), r_it = exp(logp - old_logp), beta k3_it: kl_k3.
+    The normalizer counts all ranks and micro-batches, so the sum over micro-batches (each rank's loss times world
+    size) is the same whatever the split.
+    Returns (loss, {metric: (total, count)}), 0-d tensors that the step adds up (a .item() would wait for the GPU)."""
     m = mask_BT.float()
     log_ratio_BT = logp_BT - old_logp_BT
     ratio_BT = torch.exp(log_ratio_BT)
@@ -172,8 +164,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return cli.parse(Args, BUILTIN, argv)
 
 
-# the advantages' baseline is the group's mean reward: a group of one has no learning signal (a fork with another
-# baseline, as ppo.py's critic, drops this rule)
+# (a fork whose baseline is not the group's mean, as ppo.py's critic, drops this rule)
 GROUP_SIZE = (lambda x: x >= 2, "at least 2: the advantages' baseline is the group's mean reward, so a group of one "
               "has no learning signal")
 
@@ -254,7 +245,7 @@ def main(args: Args) -> None:
             sampler.sleep()
         rollout.log(stats)  # response lengths, truncation, tokens per second
 
-        # --- 2. rewards and Dr.GRPO advantages (groups are whole on each rank)
+        # --- 2. rewards and advantages (groups are whole on each rank)
         rewards_B = reward(step, rollout, batch, stats)
         adv_B = drgrpo_advantages(rewards_B, args.group_size)
 
@@ -270,13 +261,13 @@ def main(args: Args) -> None:
             ref_BT = rollout.padded(logprobs.recompute_logprobs(ref, rollout, groups, pad_id, args.temperature,
                                                                 infra.logprob_chunk, device)) if ref else None
 
-        # --- 4. the mismatch of the sampler's mu_logp and the trainer's old_logp, every response token; the weights
+        # --- 4. the mismatch of the sampler's mu_logp and the trainer's old_logp, every response token
         mask_BT, mu_BT = rollout.mask(), rollout.padded(rollout.logprobs)
         old_BT = rollout.padded(old_logp) if recomputed else mu_BT
         check_finite_logprobs(step, mask_BT, device, train_dtype, rollout_dtype, old_logp=old_BT, mu_logp=mu_BT)
-        if recomputed:  # (with --old-logp mu: from the first mini-batch's forward, in 5)
+        if recomputed:  # (else from the first mini-batch's forward, in 5)
             args.corrections.measure(stats, old_BT, mu_BT, mask_BT)
-        w_BT = args.corrections.weights(stats, old_BT, mu_BT, mask_BT)
+        w_BT = args.corrections.weights(stats, old_BT, mu_BT, mask_BT)  # the rollout corrections' weights
         metrics.reference_kl(stats, old_BT, ref_BT, mask_BT)  # KL: how far pi_old is from the reference (kl_ref/*)
 
         # --- 5. num_minibatches optimizer steps over the rollout batch (whole groups per mini-batch)
@@ -302,7 +293,7 @@ def main(args: Args) -> None:
                     loss, loss_stats = policy_loss(logp_BT, old_mb, adv_mb, torch.where(keep_BT, w_mb, 0.0), rmask,
                                                    args.eps_low, args.eps_high, args.max_response_len, num_seqs,
                                                    ref_mb, args.kl_coef)
-                    # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
+                    # FSDP averages gradients over ranks; times world_size makes that the global sum
                     scaler.scale_loss(loss * world_size).backward()
                     stats.add("train/loss", loss.detach() / args.num_minibatches)  # the mini-batches' mean loss
                     stats.update(loss_stats)

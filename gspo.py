@@ -1,20 +1,12 @@
 """GSPO: the PPO clip on a length-normalized sequence ratio, with std-normalized group advantages.
 
-What it is: GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071; docs/algorithms.md): per
-sequence the ratio s_i = exp(mean_t (logp_it - old_logp_it)) over its response tokens (eq. 7), with the gradient of
-s_i flowing through every token's logp; loss per sequence -min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)
-(eq. 5) with the paper's tiny clip range eps_low 3e-4, eps_high 4e-4 (Sec. 5.1); advantages A_i = (r_i - mean) /
-(std + 1e-6) over the group (eq. 6; std is torch.std's default, the unbiased estimate dividing by G - 1). The loss
-is the sum over the mini-batch's sequences divided by N_seq (all ranks and micro-batches): a mean over sequences, no
-L_max and no token count. No KL term (--kl-coef adds one), no entropy bonus. The sampler's log-probs (mu) enter
-only the mismatch metrics: no rollout correction, so the is/ keys are grpo.py's pi_old/mu diagnostics (as grpo.py
-with --is-correction none).
-policy/clip_frac is the fraction of sequences (not tokens) whose clip was active (their gradient is zero).
+What it computes, each formula's source and the defaults: docs/algorithms.md, this script's section.
 
     python gspo.py                                   # the built-in task: a tiny model learns addition, no downloads
-    python gspo.py --precision bf16                  # the same in BF16, to see the mismatch grow
     torchrun --nproc_per_node 8 gspo.py --model /path/to/DeepSeek-R1-Distill-Qwen-1.5B \\
         --dataset math_train.parquet --eval-dataset aime24.jsonl --precision fp16
+
+With --precision bf16 the training-inference mismatch grows (docs/results.md).
 
 One step: sample a rollout batch (prompts x G responses) -> rewards -> advantages -> recompute old_logp with the
 trainer -> num_minibatches optimizer steps, each accumulating micro-batches sized by a token budget -> push the
@@ -101,15 +93,15 @@ class Args:
     """beta of a KL penalty to the reference policy, the run's starting weights (frozen): beta * k3 per token in the
     loss, under the loss's normalizer (verl's use_kl_loss with low_var_kl); 0: none, and no reference is loaded"""
     eps_low: float = 3e-4  # GSPO: arXiv 2507.18071 Sec. 5.1
-    """GSPO clip: lower bound 1 - eps_low on the sequence ratio s_i"""
+    """the clip's lower bound 1 - eps_low on the ratio"""
     eps_high: float = 4e-4  # GSPO: arXiv 2507.18071 Sec. 5.1
-    """GSPO clip: upper bound 1 + eps_high on the sequence ratio s_i"""
+    """the clip's upper bound 1 + eps_high on the ratio"""
     is_threshold: float = 3.0  # GSPO: no --is-correction (mu enters only the mismatch metrics)
     """C of the is/token_clip_frac and is/seq_mask_frac diagnostics (GSPO corrects nothing with it)"""
     old_logp: Literal["recompute", "mu"] = "recompute"
-    """pi_old of the sequence ratio s_i: 'recompute' (a forward of the trainer over the batch before training) or
-    'mu' (the sampler's log-probs, verl's bypass mode: no recompute, s_i = exp(mean_t log pi_theta/mu), and
-    mismatch/*, train/entropy come from the first mini-batch's forward)"""  # GSPO: as grpo.py's --old-logp
+    """pi_old of the PPO ratio: 'recompute' (a forward of the trainer over the batch before training) or 'mu' (the
+    sampler's log-probs, verl's bypass mode: no recompute, the ratio is pi_theta/mu, and mismatch/*, train/entropy
+    come from the first mini-batch's forward)"""
     infra: cli.InfraField = dataclasses.field(default_factory=cli.Infra)
     """how the run is carried out: run directory, sampler, memory, faults, evaluation, checkpoints (common/cli.py)"""
 
@@ -126,32 +118,26 @@ BUILTIN = dict(num_steps=100, num_prompts=64, group_size=8, num_minibatches=2, m
 # The algorithm: pure functions, importable without side effects.
 
 def std_advantages(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
-    """GRPO with std (GSPO, arXiv 2507.18071 eq. 6): A_i = (r_i - mean) / (std + 1e-6) over its group, std being
-    torch.std's default, the unbiased estimate (divides by G - 1). rewards_B holds whole groups in order."""
+    """GRPO with std (GSPO): A_i = (r_i - mean) / (std + 1e-6) over its group (torch.std: G - 1 divides)."""
     r_GN = rewards_B.view(-1, group_size)
     return ((r_GN - r_GN.mean(-1, keepdim=True)) / (r_GN.std(-1, keepdim=True) + 1e-6)).view(-1)
 
 
 def kl_k3(logp_BT, ref_logp_BT):
-    """KL: the per-token k3 estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta (Schulman 2020,
-    "Approximating KL Divergence"; verl's kl_penalty "low_var_kl"): k3 = exp(d) - d - 1 >= 0, d = ref_logp - logp,
-    with d clamped to [-20, 20] (exp stays finite) and k3 to at most 10, as verl does. As a loss term its gradient in
-    logp is (1 - exp(d)), which in expectation over pi_theta's samples is the gradient of KL(pi_ref || pi_theta)."""
+    """KL: k3 = exp(d) - d - 1, d = ref_logp - logp, per token: KL(pi_theta || pi_ref) with verl's low_var_kl clamps
+    (docs/reward-models.md, "A leash on the policy")."""
     d_BT = (ref_logp_BT - logp_BT).clamp(-20.0, 20.0)
     return (torch.exp(d_BT) - d_BT - 1).clamp(max=10.0)
 
 
 def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, eps_low: float, eps_high: float, num_seqs: int,
                 ref_logp_BT=None, kl_coef: float = 0.0):
-    """GSPO's sequence-level clipped surrogate (arXiv 2507.18071 eq. 5, 7):
-    loss = (1/N_seq) sum_i [-min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i) + beta mean_t k3_it],
-    s_i = exp(sum_t m_it (logp - old_logp) / sum_t m_it), the gradient flowing through every token's logp; beta
-    mean_t k3_it the KL penalty to the reference, a mean over the sequence's tokens as s_i is (kl_k3; only with
-    ref_logp_BT, beta = kl_coef).
-    N_seq is the mini-batch's sequence count over all ranks and micro-batches, so summing this over micro-batches
-    (and averaging gradients over ranks, each rank's loss times world size) gives the same value whatever the split.
-    Returns (loss, {metric: (total, count)}: policy/clip_frac, a mean over these sequences, and policy/approx_kl, over
-    their tokens; 0-d tensors that the step adds up over micro-batches and ranks)."""
+    """GSPO's sequence-level clipped surrogate (docs/algorithms.md):
+    loss = (1/N_seq) sum_i [-min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i) + beta mean_t k3_it], k3: kl_k3,
+    s_i = exp(sum_t m_it (logp - old_logp) / sum_t m_it), the gradient flowing through every token's logp.
+    The normalizer counts all ranks and micro-batches, so the sum over micro-batches (each rank's loss times world
+    size) is the same whatever the split.
+    Returns (loss, {metric: (total, count)}), 0-d tensors that the step adds up (a .item() would wait for the GPU)."""
     m = mask_BT.float()
     log_ratio_BT = (logp_BT - old_logp_BT) * m
     s_B = torch.exp(log_ratio_BT.sum(-1) / m.sum(-1).clamp(min=1.0))  # the geometric mean of the token ratios
@@ -175,8 +161,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return cli.parse(Args, BUILTIN, argv)
 
 
-# the advantages' baseline is the group's mean reward: a group of one has no learning signal (a fork with another
-# baseline, as ppo.py's critic, drops this rule)
+# (a fork whose baseline is not the group's mean, as ppo.py's critic, drops this rule)
 GROUP_SIZE = (lambda x: x >= 2, "at least 2: the advantages' baseline is the group's mean reward, so a group of one "
               "has no learning signal")
 
@@ -256,7 +241,7 @@ def main(args: Args) -> None:
             sampler.sleep()
         rollout.log(stats)  # response lengths, truncation, tokens per second
 
-        # --- 2. rewards and std-normalized advantages (GSPO eq. 6; groups are whole on each rank)
+        # --- 2. rewards and advantages (groups are whole on each rank)
         rewards_B = reward(step, rollout, batch, stats)
         adv_B = std_advantages(rewards_B, args.group_size)  # GSPO
 
@@ -276,7 +261,7 @@ def main(args: Args) -> None:
         mask_BT, mu_BT = rollout.mask(), rollout.padded(rollout.logprobs)
         old_BT = rollout.padded(old_logp) if recomputed else mu_BT
         check_finite_logprobs(step, mask_BT, device, train_dtype, rollout_dtype, old_logp=old_BT, mu_logp=mu_BT)
-        if recomputed:  # (with --old-logp mu: from the first mini-batch's forward, in 5)
+        if recomputed:  # (else from the first mini-batch's forward, in 5)
             measure(stats, old_BT, mu_BT, mask_BT, args.is_threshold, seq_ratio=False)  # GSPO: diagnostics only
         metrics.reference_kl(stats, old_BT, ref_BT, mask_BT)  # KL: how far pi_old is from the reference (kl_ref/*)
 
@@ -299,7 +284,7 @@ def main(args: Args) -> None:
                         stats.add("train/entropy", ent_BT.detach()[rmask].sum(), rmask.sum())
                     loss, loss_stats = policy_loss(logp_BT, old_mb, adv_mb, rmask, args.eps_low, args.eps_high,
                                                    num_seqs, ref_mb, args.kl_coef)  # GSPO
-                    # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
+                    # FSDP averages gradients over ranks; times world_size makes that the global sum
                     scaler.scale_loss(loss * world_size).backward()
                     stats.add("train/loss", loss.detach() / args.num_minibatches)  # the mini-batches' mean loss
                     stats.update(loss_stats)

@@ -1,16 +1,12 @@
 """PG-Seq-IS: plain policy gradient with a sequence-level importance weight pi_theta/mu (also -TIS, -MIS).
 
-What it is: the FP16 study's policy gradient (arXiv 2510.26788, eq. 5; docs/algorithms.md): per-token loss
-l_it = -sg[rho_i] A_i logp_it, rho_i = exp(sum_t m_it (sg[logp_it] - mu_logp_it)) the *current* policy over the
-sampler's mu, so the weight corrects the mismatch and, on mini-batches 2..N, the policy's own drift. No PPO clip, no
-KL (--kl-coef adds one), no entropy bonus; --is-mode tis / mis: min(rho_i, C) / rho_i 1{rho_i <= C}. Advantages
-and aggregation as grpo.py.
-pi_old enters only the metrics (docs/metrics.md: the is/ keys differ from grpo.py's, no policy/clip_frac).
+What it computes, each formula's source and the defaults: docs/algorithms.md, this script's section.
 
-    python pg_is.py                                  # the built-in task: a tiny model learns addition, no downloads
-    python pg_is.py --precision bf16                 # the same in BF16, to see the mismatch grow
+    python pg_is.py                                   # the built-in task: a tiny model learns addition, no downloads
     torchrun --nproc_per_node 8 pg_is.py --model /path/to/DeepSeek-R1-Distill-Qwen-1.5B \\
-        --dataset math_train.parquet --eval-dataset aime24.jsonl --precision fp16 --is-mode mis
+        --dataset math_train.parquet --eval-dataset aime24.jsonl --precision fp16
+
+With --precision bf16 the training-inference mismatch grows (docs/results.md).
 
 One step: sample a rollout batch (prompts x G responses) -> rewards -> advantages -> recompute old_logp with the
 trainer -> num_minibatches optimizer steps, each accumulating micro-batches sized by a token budget -> push the
@@ -97,16 +93,12 @@ class Args:
     kl_coef: float = 0.0
     """beta of a KL penalty to the reference policy, the run's starting weights (frozen): beta * k3 per token in the
     loss, under the loss's normalizer (verl's use_kl_loss with low_var_kl); 0: none, and no reference is loaded"""
-    # PG-Seq-IS: no eps_low / eps_high (no PPO clip); --is-mode replaces --is-correction
-    is_mode: Literal["is", "tis", "mis"] = "is"
-    """sequence weight of the policy gradient, rho = prod_t pi_theta/mu (current policy, no gradient; arXiv
-    2510.26788 eq. 5): 'is' rho (PG-Seq-IS), 'tis' min(rho, C) (PG-Seq-TIS), 'mis' rho * 1{rho <= C} (PG-Seq-MIS)"""
-    is_threshold: float = 3.0
-    """C of --is-mode tis / mis and of the is/ diagnostics (the study's text: 3)"""  # PG-Seq-IS
+    is_mode: Literal["is", "tis", "mis"] = "is"  # PG-Seq-IS: in place of the PPO clip and --is-correction
+    """the sequence weight, rho = prod_t pi_theta/mu: 'is' rho, 'tis' min(rho, C), 'mis' rho * 1{rho <= C}"""
+    is_threshold: float = 3.0  # PG-Seq-IS
+    """C of --is-mode tis / mis and of the is/ diagnostics"""
     mismatch_from: Literal["recompute", "first-minibatch"] = "recompute"  # PG-Seq-IS
-    """pi_old of the mismatch metrics (the loss does not use it): 'recompute' (a forward before training) or
-    'first-minibatch' (the first mini-batch's training forward: no extra forward; mismatch/* and train/entropy then
-    cover that mini-batch, and policy/approx_kl is not logged)"""
+    """pi_old of the metrics only: 'recompute' (a forward before training) or 'first-minibatch' (no extra forward)"""
     infra: cli.InfraField = dataclasses.field(default_factory=cli.Infra)
     """how the run is carried out: run directory, sampler, memory, faults, evaluation, checkpoints (common/cli.py)"""
 
@@ -128,19 +120,14 @@ def drgrpo_advantages(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
     return (r_GN - r_GN.mean(-1, keepdim=True)).view(-1)
 
 
-# PG-Seq-IS: the largest log rho used, as verl clamps its log-ratios at 20 before exp. exp(log rho) overflows fp32
-# past 88.7, and inf * (A = 0) made the loss NaN (a run in bf16/fp32 then stops). rho is exact up to e^20 = 4.9e8;
-# beyond, --is-mode is uses e^20 (is/log_rho_clamp_frac counts those sequences). tis and mis never reach it.
-LOG_RHO_MAX = 20.0
+LOG_RHO_MAX = 20.0  # PG-Seq-IS: log rho's cap before exp (verl's), as exp overflows fp32 past 88.7
 TOKEN_CLIP = ("is/token_clip_frac",)  # the one is/ key of pi_old/mu; the others are of the loss's rho, pi_theta/mu
 
 
 @torch.no_grad()
 def seq_importance_weights(logp_BT, mu_logp_BT, mask_BT, is_mode: str, threshold: float):
-    """PG-Seq-IS's sequence weights, constants (arXiv 2510.26788 eq. 5): rho_i = exp(sum_t m_it (logp - mu_logp)),
-    logp the current policy's (detached here). is: w_i = rho_i, with log rho_i capped at LOG_RHO_MAX; tis:
-    min(rho_i, C); mis: rho_i * 1{rho_i <= C}. Computed in log space, so no mode overflows (a masked rho that would
-    be inf gives 0, not nan). Returns (w_B, log_rho_B), log_rho_B uncapped."""
+    """PG-Seq-IS: the constants w_i, rho_i = exp(sum_t m_it (logp - mu_logp)) in log space (is: log rho_i capped at
+    LOG_RHO_MAX; tis: min(rho_i, C); mis: rho_i * 1{rho_i <= C}). Returns (w_B, log_rho_B), log_rho_B uncapped."""
     log_rho_B = ((logp_BT - mu_logp_BT) * mask_BT).sum(-1)
     if is_mode == "is":
         return torch.exp(log_rho_B.clamp(max=LOG_RHO_MAX)), log_rho_B
@@ -154,25 +141,20 @@ def seq_importance_weights(logp_BT, mu_logp_BT, mask_BT, is_mode: str, threshold
 
 
 def kl_k3(logp_BT, ref_logp_BT):
-    """KL: the per-token k3 estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta (Schulman 2020,
-    "Approximating KL Divergence"; verl's kl_penalty "low_var_kl"): k3 = exp(d) - d - 1 >= 0, d = ref_logp - logp,
-    with d clamped to [-20, 20] (exp stays finite) and k3 to at most 10, as verl does. As a loss term its gradient in
-    logp is (1 - exp(d)), which in expectation over pi_theta's samples is the gradient of KL(pi_ref || pi_theta)."""
+    """KL: k3 = exp(d) - d - 1, d = ref_logp - logp, per token: KL(pi_theta || pi_ref) with verl's low_var_kl clamps
+    (docs/reward-models.md, "A leash on the policy")."""
     d_BT = (ref_logp_BT - logp_BT).clamp(-20.0, 20.0)
     return (torch.exp(d_BT) - d_BT - 1).clamp(max=10.0)
 
 
 def policy_loss(logp_BT, old_logp_BT, mu_logp_BT, adv_B, mask_BT, is_mode: str, threshold: float,
                 max_response_len: int, num_seqs: int, ref_logp_BT=None, kl_coef: float = 0.0):
-    """PG-Seq-IS with Dr.GRPO's constant normalizer (arXiv 2510.26788 eq. 5):
-    loss = (1/N_seq) sum_i sum_t m_it (l_it + beta k3_it) / L_max,  l_it = -sg[w_i] A_i logp_it,  w_i from
-    seq_importance_weights, beta k3_it the KL penalty to the reference (kl_k3; only with ref_logp_BT, beta = kl_coef;
-    w_i does not weight it).
-    N_seq is the mini-batch's sequence count over all ranks and micro-batches, so summing this over micro-batches
-    (and averaging gradients over ranks, each rank's loss times world size) gives the same value whatever the split.
-    old_logp enters only policy/approx_kl (None: not computed). Returns (loss, {metric: (total, count)}: the is/ keys,
-    means over these sequences, of the rho the loss used (pi_theta/mu), and policy/approx_kl, over their tokens; the
-    largest rho, for is/ratio_max), 0-d tensors that the step adds up over micro-batches and ranks."""
+    """PG-Seq-IS with Dr.GRPO's constant normalizer (docs/algorithms.md):
+    loss = (1/N_seq) sum_i sum_t m_it (l_it + beta k3_it) / L_max, beta k3_it: kl_k3; also returns the largest rho,
+    l_it = -sg[w_i] A_i logp_it, w_i from seq_importance_weights; old_logp only for policy/approx_kl (None: none).
+    The normalizer counts all ranks and micro-batches, so the sum over micro-batches (each rank's loss times world
+    size) is the same whatever the split.
+    Returns (loss, {metric: (total, count)}), 0-d tensors that the step adds up (a .item() would wait for the GPU)."""
     m = mask_BT.float()
     w_B, log_rho_B = seq_importance_weights(logp_BT.detach(), mu_logp_BT, m, is_mode, threshold)
     loss_BT = -(w_B * adv_B)[:, None] * logp_BT
@@ -198,8 +180,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return cli.parse(Args, BUILTIN, argv)
 
 
-# the advantages' baseline is the group's mean reward: a group of one has no learning signal (a fork with another
-# baseline, as ppo.py's critic, drops this rule)
+# (a fork whose baseline is not the group's mean, as ppo.py's critic, drops this rule)
 GROUP_SIZE = (lambda x: x >= 2, "at least 2: the advantages' baseline is the group's mean reward, so a group of one "
               "has no learning signal")
 
@@ -279,7 +260,7 @@ def main(args: Args) -> None:
             sampler.sleep()
         rollout.log(stats)  # response lengths, truncation, tokens per second
 
-        # --- 2. rewards and Dr.GRPO advantages (groups are whole on each rank)
+        # --- 2. rewards and advantages (groups are whole on each rank)
         rewards_B = reward(step, rollout, batch, stats)
         adv_B = drgrpo_advantages(rewards_B, args.group_size)
 
@@ -299,7 +280,7 @@ def main(args: Args) -> None:
         mask_BT, mu_BT = rollout.mask(), rollout.padded(rollout.logprobs)
         old_BT = rollout.padded(old_logp) if recomputed else mu_BT
         check_finite_logprobs(step, mask_BT, device, train_dtype, rollout_dtype, old_logp=old_BT, mu_logp=mu_BT)
-        if recomputed:  # (with --mismatch-from first-minibatch: from the first mini-batch's forward, in 5)
+        if recomputed:  # (else from the first mini-batch's forward, in 5)
             measure(stats, old_BT, mu_BT, mask_BT, args.is_threshold, True, TOKEN_CLIP)
         metrics.reference_kl(stats, old_BT, ref_BT, mask_BT)  # KL: how far pi_old is from the reference (kl_ref/*)
 
@@ -320,13 +301,12 @@ def main(args: Args) -> None:
                     if first:  # the mismatch of this micro-batch, as step 4 measures it after a recompute
                         measure(stats, logp_BT.detach(), mu_mb, rmask, args.is_threshold, True, TOKEN_CLIP)  # PG-Seq-IS
                         stats.add("train/entropy", ent_BT.detach()[rmask].sum(), rmask.sum())
-                    # PG-Seq-IS: rho from this logp (detached) and the sampler's mu_logp, arXiv 2510.26788 eq. 5; no
-                    # approx KL without pi_old of mini-batches 2..N
+                    # PG-Seq-IS: rho of this logp (detached) over mu_logp; no approx KL without a recompute
                     loss, loss_stats, rho_max = policy_loss(logp_BT, old_mb if recompute else None, mu_mb, adv_mb,
                                                             rmask, args.is_mode, args.is_threshold,
                                                             args.max_response_len, num_seqs, ref_mb, args.kl_coef)
                     stats.max("is/ratio_max", rho_max)  # PG-Seq-IS
-                    # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
+                    # FSDP averages gradients over ranks; times world_size makes that the global sum
                     scaler.scale_loss(loss * world_size).backward()
                     stats.add("train/loss", loss.detach() / args.num_minibatches)  # the mini-batches' mean loss
                     stats.update(loss_stats)

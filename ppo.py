@@ -1,22 +1,16 @@
 """PPO with a critic (per-token GAE advantages), with grpo.py's optional rollout corrections (Token-TIS, Seq-MIS, ...).
 
-What it is: PPO as the FP16 study runs it (arXiv 2510.26788; docs/algorithms.md): a critic initialized from the
-policy's weights with a scalar value head, per-token GAE advantages (gamma = lambda = 1) whitened over the rollout
-batch's response tokens, grpo.py's clipped surrogate and normalizer on them, a value loss clipped at 0.2, no KL
-(--kl-coef adds InstructGPT's, in the reward), no entropy bonus; the rollout corrections as grpo.py's (no opsm). New
-lines are marked `# PPO:`.
+What it computes, each formula's source and the defaults: docs/algorithms.md, this script's section.
 
     python ppo.py                                    # the built-in task: a tiny model learns addition, no downloads
-    python ppo.py --precision bf16                   # the same in BF16, to see the mismatch grow
     torchrun --nproc_per_node 8 ppo.py --model /path/to/DeepSeek-R1-Distill-Qwen-1.5B \\
         --dataset math_train.parquet --eval-dataset aime24.jsonl --precision fp16
 
-One step: sample a rollout batch (prompts x G responses) -> rewards -> recompute old_logp with the trainer and the
-values V_old with the critic -> GAE advantages and returns -> num_minibatches optimizer steps of both models, each
-accumulating micro-batches sized by a token budget -> push the new weights to the sampler -> log.
+With --precision bf16 the training-inference mismatch grows (docs/results.md).
 
-Its critic/ metric keys: docs/metrics.md. The critic goes into each checkpoint's critic/ folder, beside the policy
-(docs/checkpoints.md); --resume restores both.
+One step: sample a rollout batch (prompts x G responses) -> rewards -> recompute old_logp with the trainer and V_old
+with the critic -> GAE advantages -> num_minibatches optimizer steps of both models, each accumulating micro-batches
+sized by a token budget -> push the new weights to the sampler -> log. Checkpoints hold the critic in critic/.
 """
 import dataclasses
 import json
@@ -30,6 +24,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from common import batches, cli, data, exact, logprobs, metrics, preflight, rewards, rundir
 from common.dist import print0, reduce_stats, seed_everything, setup_distributed
@@ -101,37 +96,34 @@ class Args:
     """gradient-norm clip"""
     kl_coef: float = 0.0  # PPO: in the reward, not the loss
     """beta of a KL penalty to the reference policy, the run's starting weights (frozen): -beta (old_logp - ref_logp)
-    added to every response token's reward before GAE (InstructGPT); 0: none, and no reference is loaded"""
+    in every response token's reward before GAE (InstructGPT); 0: none, and no reference is loaded"""
     eps_low: float = 0.2
-    """PPO clip: lower bound 1 - eps_low on the ratio"""
-    eps_high: float = 0.28
-    """PPO clip-higher (DAPO): upper bound 1 + eps_high on the ratio"""
+    """the clip's lower bound 1 - eps_low on the ratio"""
+    eps_high: float = 0.28  # clip-higher (DAPO)
+    """the clip's upper bound 1 + eps_high on the ratio"""
     corrections: CorrectionsField = dataclasses.field(default_factory=Corrections)
     """the rollout corrections: --is-correction, --is-threshold, --is-reject, --is-veto and their bounds
     (corrections.py)"""
     old_logp: Literal["recompute", "mu"] = "recompute"
     """pi_old of the PPO ratio: 'recompute' (a forward of the trainer over the batch before training) or 'mu' (the
-    sampler's log-probs, verl's bypass mode: no recompute, the ratio is pi_theta/mu, --is-correction is refused,
-    the rejection rules read pi_theta/mu, and mismatch/*, train/entropy come from the first mini-batch's forward;
-    the critic still computes V_old)"""
+    sampler's log-probs, verl's bypass mode: no recompute, the ratio is pi_theta/mu, and mismatch/*, train/entropy
+    come from the first mini-batch's forward; --is-correction is refused, the rejection rules read pi_theta/mu)"""
     critic_lr: float = 1e-5  # PPO
-    """critic AdamW learning rate (constant; betas, weight decay and grad-norm clip as the policy's). 10x the policy's,
-    as verl's PPO defaults (critic.optim.lr 1e-5, actor 1e-6)"""
+    """critic AdamW learning rate (constant; betas, weight decay and grad-norm clip as the policy's)"""
     gamma: float = 1.0  # PPO
-    """GAE discount (docs/algorithms.md: 1)"""
+    """GAE discount"""
     lam: float = 1.0  # PPO
-    """GAE lambda (docs/algorithms.md: 1; then every token's return is the terminal reward)"""
+    """GAE lambda"""
     value_clip: float = 0.2  # PPO
-    """value-loss clip: V_clipped = V_old + clip(V - V_old, -value_clip, value_clip) (docs/algorithms.md: 0.2)"""
+    """value-loss clip: V_clipped = V_old + clip(V - V_old, -value_clip, value_clip)"""
     infra: cli.InfraField = dataclasses.field(default_factory=cli.Infra)
     """how the run is carried out: run directory, sampler, memory, faults, evaluation, checkpoints (common/cli.py)"""
 
 
 # The built-in task's defaults (a 0.4M-parameter model learning addition on a CPU in a minute or two). Evaluation
 # samples as training does (temperature 1), so that eval accuracy shows what training changed.
-# PPO: 128 prompts x 4 responses (the same 512 responses as grpo.py's 64 x 8) and critic_lr 1e-3: docs/results.md
 BUILTIN = dict(num_steps=100, num_prompts=128, group_size=4, num_minibatches=2, micro_batch_tokens=4096, lr=5e-4,
-               critic_lr=1e-3,  # PPO
+               critic_lr=1e-3,  # PPO: 128 x 4 (grpo.py's 512 responses) and critic_lr 1e-3: docs/results.md
                max_prompt_len=16, max_response_len=8, prompt_template="{problem}", reward="exact",
                eval_every=20, eval_k=4, eval_temperature=1.0, eval_top_p=1.0, save_every=50, precision="fp32",
                gradient_checkpointing=False, sampler_batch_size=1024)
@@ -140,22 +132,15 @@ BUILTIN = dict(num_steps=100, num_prompts=128, group_size=4, num_minibatches=2, 
 # ----------------------------------------------------------------------------------------------------------------
 # The algorithm: pure functions, importable without side effects.
 
-def kl_rewards(old_logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, mask_BT: torch.Tensor,
-               kl_coef: float) -> torch.Tensor:
-    """PPO, KL: InstructGPT's penalty in the reward (Ouyang et al. 2022, eq. 2, after Ziegler et al. 2019): every
-    response token's reward gets -beta (log pi_old - log pi_ref), its k1 estimate of KL(pi_old || pi_ref) (pi_old
-    sampled the tokens), so that the sequence's return holds r_i - beta log(pi_old(y|x) / pi_ref(y|x)). A reward: no
-    gradient flows through it. Returns kl_rewards_BT, 0 off-mask."""
+def kl_rewards(old_logp_BT, ref_logp_BT, mask_BT, kl_coef: float) -> torch.Tensor:
+    """PPO, KL: InstructGPT's penalty in the reward, -beta (old_logp - ref_logp) per response token, 0 off-mask."""
     return -kl_coef * (old_logp_BT - ref_logp_BT) * mask_BT.float()
 
 
 def gae_advantages(rewards_B: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float,
                    lam: float, token_rewards_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO: per-token GAE (Schulman et al. 2016, "High-Dimensional Continuous Control Using GAE", eq. 16). The terminal
-    reward r_i is the reward of the last response token, every other token's is 0 (plus token_rewards_BT, the KL
-    penalty of kl_rewards, when given), and the value after the last token is 0:  delta_t = r_t + gamma V_{t+1} - V_t,
-    A_t = delta_t + gamma lam A_{t+1},  R_t = A_t + V_t.
-    values_BT (V_old) and mask_BT in the left-aligned response layout. Returns (adv_BT, returns_BT), 0 off-mask."""
+    """PPO: per-token GAE, r_i on the last response token (plus token_rewards_BT), V = 0 after it: delta_t =
+    r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}, R_t = A_t + V_t. Returns (adv_BT, returns_BT)."""
     m = mask_BT.float()
     V_BT = values_BT * m
     last_B = mask_BT.sum(-1) - 1
@@ -172,9 +157,7 @@ def gae_advantages(rewards_B: torch.Tensor, values_BT: torch.Tensor, mask_BT: to
 
 
 def whiten_advantages(adv_BT: torch.Tensor, mask_BT: torch.Tensor, device=None) -> tuple[torch.Tensor, float]:
-    """PPO: (A - mean) / sqrt(var + 1e-8), mean and unbiased variance over the response tokens of the whole rollout
-    batch, all ranks (one all-reduce), as verl's masked_whiten (verl/utils/torch_functional.py). 0 off-mask. Also
-    returns the raw advantages' standard deviation (the population's: critic/adv_std_raw)."""
+    """PPO: (A - mean) / sqrt(var + 1e-8) over all ranks' response tokens (verl's masked_whiten); and the raw std."""
     m = mask_BT.double()
     a = adv_BT.double() * m
     r = reduce_stats({"n": m.sum(), "s1": a.sum(), "s2": (a * a).sum()}, "sum", device)  # float64
@@ -186,13 +169,12 @@ def whiten_advantages(adv_BT: torch.Tensor, mask_BT: torch.Tensor, device=None) 
 
 def policy_loss(logp_BT, old_logp_BT, adv_BT, weight_BT, mask_BT, eps_low: float, eps_high: float,
                 max_response_len: int, num_seqs: int):  # PPO: per-token advantages adv_BT instead of adv_B
-    """Dr.GRPO's clipped surrogate with the constant normalizer:
-    loss = (1/N_seq) sum_i sum_t m_it w_it l_it / L_max, l_it = -min(r_it A_it, clip(r_it, 1-eps_low, 1+eps_high) A_it),
-    r_it = exp(logp - old_logp).
-    N_seq is the mini-batch's sequence count over all ranks and micro-batches, so summing this over micro-batches
-    (and averaging gradients over ranks, each rank's loss times world size) gives the same value whatever the split.
-    Returns (loss, {metric: (total, count)}: the means over these tokens of policy/clip_frac and policy/approx_kl, 0-d
-    tensors that the step adds up over micro-batches and ranks: a .item() here would wait for the GPU)."""
+    """Dr.GRPO's clipped surrogate with the constant normalizer (docs/algorithms.md):
+    loss = (1/N_seq) sum_i sum_t m_it w_it l_it / L_max, w_it the rollout correction's weight,
+    l_it = -min(r_it A_it, clip(r_it, 1-eps_low, 1+eps_high) A_it), r_it = exp(logp - old_logp).
+    The normalizer counts all ranks and micro-batches, so the sum over micro-batches (each rank's loss times world
+    size) is the same whatever the split.
+    Returns (loss, {metric: (total, count)}), 0-d tensors that the step adds up (a .item() would wait for the GPU)."""
     m = mask_BT.float()
     log_ratio_BT = logp_BT - old_logp_BT
     ratio_BT = torch.exp(log_ratio_BT)
@@ -209,11 +191,8 @@ def policy_loss(logp_BT, old_logp_BT, adv_BT, weight_BT, mask_BT, eps_low: float
 
 
 def value_loss(values_BT, old_values_BT, returns_BT, mask_BT, value_clip: float, num_tokens: int):
-    """PPO: the clipped value loss (docs/algorithms.md; verl/trainer/ppo/core_algos.py, compute_value_loss), averaged over
-    response tokens:
-    loss = (1/N_tok) sum_it m_it 0.5 max((V - R)^2, (V_clipped - R)^2),  V_clipped = V_old + clip(V - V_old, -c, c).
-    N_tok is the mini-batch's response-token count over all ranks and micro-batches, so as with policy_loss the
-    split changes nothing. Returns (loss, {critic/value_clip_frac: (clipped tokens, tokens)}, 0-d tensors)."""
+    """PPO: the clipped value loss, (1/N_tok) sum_it m_it 0.5 max((V - R)^2, (V_clipped - R)^2),
+    V_clipped = V_old + clip(V - V_old, -c, c). Returns (loss, {critic/value_clip_frac: (total, count)})."""
     m = mask_BT.float()
     v_clipped_BT = old_values_BT + (values_BT - old_values_BT).clamp(-value_clip, value_clip)
     err_BT, err_clipped_BT = (values_BT - returns_BT) ** 2, (v_clipped_BT - returns_BT) ** 2
@@ -225,10 +204,7 @@ def value_loss(values_BT, old_values_BT, returns_BT, mask_BT, value_clip: float,
 
 def ppo_advantages(stats, rewards_B, values_BT, mask_BT, gamma: float, lam: float, device=None,
                    token_rewards_BT=None):
-    """PPO: (adv_BT, returns_BT), the GAE advantages whitened over all ranks' response tokens and the returns
-    R = A + V_old (before whitening), token_rewards_BT (the KL penalty, or None) added to the rewards; and the critic's
-    keys of V_old into stats: critic/value_mean, /return_mean, /explained_variance, /adv_std_raw (the raw advantages'
-    spread)."""
+    """PPO: GAE advantages, whitened, and returns R = A + V_old (before whitening); the critic's keys into stats."""
     adv_raw_BT, returns_BT = gae_advantages(rewards_B, values_BT, mask_BT, gamma, lam, token_rewards_BT)
     adv_BT, adv_std_raw = whiten_advantages(adv_raw_BT, mask_BT, device)
     stats.add("critic/value_mean", (values_BT * mask_BT).sum(), mask_BT.sum())
@@ -239,9 +215,7 @@ def ppo_advantages(stats, rewards_B, values_BT, mask_BT, gamma: float, lam: floa
 
 
 def explained_variance(values_BT, returns_BT, mask_BT, device=None) -> float:
-    """PPO: 1 - Var(R - V) / Var(R) over the response tokens of the whole rollout batch, all ranks (one all-reduce;
-    population variances): the share of the returns' variance that V_old explains (1: all, 0: no more than their
-    mean, < 0: worse)."""
+    """PPO: 1 - Var(R - V) / Var(R) over all ranks' response tokens (1: V explains R; 0: no better than R's mean)."""
     m = mask_BT.double()
     e, ret = (returns_BT - values_BT).double() * m, returns_BT.double() * m
     r = reduce_stats({"n": m.sum(), "e": e.sum(), "e2": (e * e).sum(), "r": ret.sum(), "r2": (ret * ret).sum()},
@@ -251,12 +225,10 @@ def explained_variance(values_BT, returns_BT, mask_BT, device=None) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# PPO: the critic (the value model), its value head and how it travels through checkpoints
+# PPO: the critic (the value model) and its value head
 
 class CriticModel(nn.Module):
-    """`lm`: a Hugging Face causal LM (its lm_head is not used, and frozen when untied; keeping it makes the critic's
-    checkpoint an ordinary model directory, like the policy's). `value_head`: nn.Linear(hidden, 1) on the final hidden
-    states. The FSDP2 root (load_sharded)."""
+    """`lm`: a Hugging Face causal LM (lm_head unused); `value_head`: nn.Linear(hidden, 1) on its last hidden states."""
 
     def __init__(self, lm: nn.Module, value_head: nn.Linear):
         super().__init__()
@@ -264,9 +236,7 @@ class CriticModel(nn.Module):
         self.value_head = value_head
 
     def forward(self, input_ids_BL, attention_mask_BL, response_mask_BT):
-        """Same inputs and layout as PolicyModel.forward. Returns values_BT, fp32, 0 off-mask: values_BT[b, t] is
-        V(s_t), the value of the state (prompt + response tokens < t) from which response token t is generated, read
-        at the same position as the logits that predict token t."""
+        """As PolicyModel.forward; returns values_BT, fp32, 0 off-mask: V(s_t) where the logits predict token t."""
         hidden_NH, _ = logprobs.response_hidden(self.lm, input_ids_BL, attention_mask_BL, response_mask_BT)
         # the head's product in fp32 (its weights arrive in the compute dtype): values are never rounded to 16 bits
         w, b = self.value_head.weight, self.value_head.bias
@@ -276,9 +246,7 @@ class CriticModel(nn.Module):
 
 
 def init_value_head(hidden_size: int, seed: int) -> nn.Linear:
-    """weight ~ N(0, (1/(hidden+1))^2), bias 0, as OpenRLHF's critic (openrlhf/models/model.py, init_value_head):
-    initial values near 0 with a little per-state spread. Drawn from its own generator seeded with `seed`, so every
-    rank builds the same head whatever else consumed the global random stream."""
+    """weight ~ N(0, (1/(hidden+1))^2), bias 0 (OpenRLHF's), from its own generator: the same head on every rank."""
     head = nn.Linear(hidden_size, 1)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -289,21 +257,24 @@ def init_value_head(hidden_size: int, seed: int) -> nn.Linear:
 
 def load_critic(path: str, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool, seed: int,
                 attn_implementation: str = "sdpa", cpu_offload: bool = False, compile: bool = False) -> CriticModel:
-    """Load fp32 master weights from the model directory `path` (the policy's, or a critic checkpoint), add the value
-    head (from `path`'s trainer_state.json when it is a critic checkpoint, else a fresh one from `seed`), shard with
-    FSDP2 as load_policy does and return the CriticModel (the FSDP root)."""
+    """The CriticModel (the FSDP2 root, sharded as load_policy does) from the model directory `path`, the policy's or a
+    critic checkpoint's (then with its value_head.safetensors; else a fresh head from `seed`)."""
     def wrap(lm):
         head = init_value_head(lm.config.hidden_size, seed)
-        saved = saved_value_head(path)
-        if saved is not None:
-            try:
-                head.load_state_dict({name: torch.tensor(v, dtype=torch.float32) for name, v in saved.items()})
-            except (RuntimeError, TypeError, ValueError, AttributeError) as e:  # JSON, but not this value head
-                raise ValueError(f"{os.path.join(path, 'trainer_state.json')} is damaged: its value_head is not this "
-                                 f"critic's ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
-        # an untied lm_head is never used by the critic: frozen, so that no optimizer holds it (AdamW would keep no
-        # state for a weight that gets no gradient, while a resumed run's fresh optimizer asks the checkpoint for its
-        # state: "Missing key ... lm.lm_head.weight.step"). Tied, it is the embedding, which the critic trains
+        file, old = os.path.join(path, "value_head.safetensors"), os.path.join(path, "trainer_state.json")
+        try:
+            if os.path.isfile(file):  # a critic checkpoint's (ValueHeadState)
+                head.load_state_dict(load_file(file))
+            elif os.path.isfile(old):  # an older ppo.py kept the head there as JSON: read once (a save rewrites it)
+                with open(old) as f:
+                    saved = json.load(f).get("value_head")
+                if saved is not None:
+                    file = old
+                    head.load_state_dict({k: torch.tensor(v, dtype=torch.float32) for k, v in saved.items()})
+        except Exception as e:  # noqa: BLE001 -- SafetensorError, or a head of another shape
+            raise ValueError(f"--resume: {file} is damaged: its value_head is not this critic's ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:200]})") from None
+        # an untied lm_head gets no gradient: frozen, else a resume asks the checkpoint for AdamW state it never had
         if lm.get_output_embeddings().weight is not lm.get_input_embeddings().weight:
             lm.get_output_embeddings().weight.requires_grad_(False)
         return CriticModel(lm, head)  # the FSDP root: embedding, final norm, (unused) lm_head, value head
@@ -311,30 +282,9 @@ def load_critic(path: str, param_dtype: torch.dtype, device: torch.device, gradi
                         compile)
 
 
-# The value head is not part of the Hugging Face model, so save_checkpoint (which writes the `lm` child) does not
-# write it. Its hidden + 1 floats go into the critic checkpoint's trainer_state.json instead: written atomically with
-# the rest, and exact (JSON keeps a double's shortest round-trip repr, and every fp32 is a double).
-
-@torch.no_grad()
-def value_head_state(critic: CriticModel) -> dict:
-    """The full value head as JSON-able lists. A collective under FSDP2: every rank calls it."""
-    return {name: full_tensor(p).float().cpu().tolist() for name, p in critic.value_head.named_parameters()}
-
-
-def saved_value_head(path: str) -> dict | None:
-    """The value head stored in `path`/trainer_state.json by value_head_state, or None (e.g. `path` is the policy's
-    model directory)."""
-    state_file = os.path.join(path, "trainer_state.json")
-    if not os.path.isfile(state_file):
-        return None
-    with open(state_file) as f:
-        return json.load(f).get("value_head")
-
-
 @torch.no_grad()
 def critic_values(critic: CriticModel, rollout, groups: list[list[int]], pad_id: int, device) -> list[torch.Tensor]:
-    """V_old, the critic's value of every response token without gradients, micro-batch by micro-batch (`groups`, as
-    common.logprobs.recompute_logprobs takes them): one fp32 CPU tensor per sequence, of its response's length."""
+    """V_old without gradient, micro-batch by micro-batch (`groups`): one fp32 CPU tensor per sequence's response."""
     values = [None] * len(rollout.response_ids)
     for mb in groups:
         for i, row in zip(mb, critic(*rollout.rows(mb, pad_id, device)).cpu()):
@@ -343,14 +293,14 @@ def critic_values(critic: CriticModel, rollout, groups: list[list[int]], pad_id:
 
 
 class ValueHeadState:
-    """The critic's value head as a checkpoint part's state (value_head_state; load_critic reads it back when it builds
-    the critic from a checkpoint, so loading it here is nothing)."""
+    """The value head as a checkpoint's state, value_head.safetensors (load_critic reads it back as it builds)."""
 
     def __init__(self, critic: CriticModel):
         self.critic = critic
 
-    def state_dict(self) -> dict:
-        return value_head_state(self.critic)
+    @torch.no_grad()
+    def state_dict(self) -> dict:  # a collective under FSDP2: every rank calls it
+        return {name: full_tensor(p).float().cpu() for name, p in self.critic.value_head.named_parameters()}
 
     def load_state_dict(self, state: dict) -> None:
         pass
@@ -388,10 +338,9 @@ def main(args: Args) -> None:
     run = rundir.RunDir(infra.run_dir or os.path.join("runs", f"{args.exp_name}_{args.seed}"), infra, device,
                         cli.run_config(__file__, args))
     critic_dir = run.resume_dir and os.path.join(run.resume_dir, "critic")  # PPO: the critic's part of a checkpoint
-    if critic_dir and not os.path.isdir(critic_dir):  # PPO: written before the critic moved into the step's folder
-        raise ValueError(f"--resume {run.resume_dir}: not a complete checkpoint of ppo.py (no critic/ in it); an older "
-                         f"ppo.py kept it in <run_dir>/critic_checkpoints/{os.path.basename(run.resume_dir)}: move "
-                         "that folder there, renamed critic")
+    if critic_dir and not os.path.isdir(critic_dir):  # PPO: an older ppo.py's checkpoint
+        raise ValueError(f"--resume {run.resume_dir}: not a complete checkpoint of ppo.py (no critic/ in it): move "
+                         f"<run_dir>/critic_checkpoints/{os.path.basename(run.resume_dir)} there, renamed critic")
 
     # --- data: the tokenizer, the training and evaluation problems (the built-in task's, without --model)
     model_path, tokenizer, problems, eval_sets = data.load_task(args.model, args.dataset, infra.eval_dataset,
@@ -411,7 +360,7 @@ def main(args: Args) -> None:
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     scaler = LossScaler(enabled=train_dtype == torch.float16, max_consecutive_skips=infra.max_skipped_steps)
     monitor = metrics.MismatchMonitor(infra.kl_warn_factor, infra.kl_baseline_steps, exact=infra.exact)  # warnings
-    # PPO: the critic: the policy's weights plus a value head, sharded and in precision as the policy, its own AdamW and scaler
+    # PPO: the critic, the policy's weights plus a value head, sharded as the policy; its own AdamW and loss scaler
     critic = load_critic(critic_dir or model_path, train_dtype, device, infra.gradient_checkpointing, seed=args.seed,
                          cpu_offload=infra.cpu_offload, compile=infra.compile)  # (its forward stays the default one)
     critic_params = [p for p in critic.parameters() if p.requires_grad]  # PPO: (an untied lm_head is frozen)
@@ -423,8 +372,7 @@ def main(args: Args) -> None:
     exact.attach(model, sampler)  # --exact: the trainer's forward on the engine's kernels (docs/exact.md)
     print0(f"[setup] {world_size} rank(s) on {device.type}; train {args.train_precision or args.precision}, rollout "
            f"{args.rollout_precision or args.precision}; {sum(p.numel() for p in params) / 1e6:.1f}M parameters")
-    parts = {"": (model, optimizer, {"scaler": scaler, "kl_monitor": monitor, "reward": reward}),  # what a
-             # checkpoint holds; PPO: the critic's part
+    parts = {"": (model, optimizer, {"scaler": scaler, "kl_monitor": monitor, "reward": reward}),  # a checkpoint
              "critic": (critic, critic_optimizer, {"scaler": critic_scaler, "value_head": ValueHeadState(critic)})}
     start_step = run.load(parts, sampler)
 
@@ -476,13 +424,13 @@ def main(args: Args) -> None:
             old_values = critic_values(critic, rollout, groups or batches.micro_batches(
                 rollout.seq_lens(), args.micro_batch_tokens, device), pad_id, device)  # PPO
 
-        # --- 4. the mismatch of the sampler's mu_logp and the trainer's old_logp, every response token; the weights
+        # --- 4. the mismatch of the sampler's mu_logp and the trainer's old_logp, every response token
         mask_BT, mu_BT = rollout.mask(), rollout.padded(rollout.logprobs)
         old_BT = rollout.padded(old_logp) if recomputed else mu_BT
         check_finite_logprobs(step, mask_BT, device, train_dtype, rollout_dtype, old_logp=old_BT, mu_logp=mu_BT)
-        if recomputed:  # (with --old-logp mu: from the first mini-batch's forward, in 5)
+        if recomputed:  # (else from the first mini-batch's forward, in 5)
             args.corrections.measure(stats, old_BT, mu_BT, mask_BT)
-        w_BT = args.corrections.weights(stats, old_BT, mu_BT, mask_BT)
+        w_BT = args.corrections.weights(stats, old_BT, mu_BT, mask_BT)  # the rollout corrections' weights
         metrics.reference_kl(stats, old_BT, ref_BT, mask_BT)  # KL: how far pi_old is from the reference (kl_ref/*)
         # PPO: per-token GAE advantages and returns from V_old, the advantages whitened over all ranks' response tokens
         values_BT = rollout.padded(old_values)
@@ -513,7 +461,7 @@ def main(args: Args) -> None:
                                                     logp_BT.detach(), mu_mb, None, rmask)  # PPO: no opsm
                     loss, loss_stats = policy_loss(logp_BT, old_mb, adv_mb, torch.where(keep_BT, w_mb, 0.0), rmask,
                                                    args.eps_low, args.eps_high, args.max_response_len, num_seqs)
-                    # FSDP averages gradients over ranks; times world_size makes that the global sum / N_seq
+                    # FSDP averages gradients over ranks; times world_size makes that the global sum
                     scaler.scale_loss(loss * world_size).backward()
                     stats.add("train/loss", loss.detach() / args.num_minibatches)  # the mini-batches' mean loss
                     stats.update(loss_stats)

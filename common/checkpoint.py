@@ -17,6 +17,7 @@ import shutil
 import time
 
 import numpy as np
+import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -155,7 +156,12 @@ def _save_checkpoint(ckpt_root, step, tokenizer, parts, rank_state, keep_last, s
             if lm.generation_config is not None:
                 lm.generation_config.save_pretrained(out)
             tokenizer.save_pretrained(out)
-            write_json(os.path.join(out, "trainer_state.json"), {"step": step, **trainer_state}, indent=2)
+            arrays = {k: v for k, v in trainer_state.items()  # tensors (ppo.py's value head): <k>.safetensors
+                      if isinstance(v, dict) and v and all(isinstance(t, torch.Tensor) for t in v.values())}
+            for name, state in arrays.items():
+                safetensors.torch.save_file(state, os.path.join(out, f"{name}.safetensors"))
+            write_json(os.path.join(out, "trainer_state.json"),
+                       {"step": step, **{k: v for k, v in trainer_state.items() if k not in arrays}}, indent=2)
         error = attempt(phase3) if rank == 0 else None
         while True:  # the gathers are collectives: every rank takes part in all of them, rank 0 after a failure too
             try:
@@ -401,7 +407,7 @@ def find_resume_dir(resume: str, ckpt_root: str) -> str:
 # DCP's .metadata and its shards. (rng_rank{r}.pt, an older version's, is never read.) Anything else is refused before
 # anything is read: torch may load a file that we never write, and run the code a pickle in it carries (torch 2.13
 # unpickles optimizer/__<rank>.metadata when .metadata does not load).
-CHECKPOINT_FILE = re.compile(r"model\.safetensors|.+\.(json|txt|model|jinja)|rng_rank\d+\.pt")
+CHECKPOINT_FILE = re.compile(r"(model|value_head)\.safetensors|.+\.(json|txt|model|jinja)|rng_rank\d+\.pt")
 DCP_SHARD = re.compile(r"__\d+_\d+\.distcp")  # __<rank>_<n>.distcp: a rank's n-th file
 
 

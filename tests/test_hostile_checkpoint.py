@@ -10,6 +10,8 @@ import pickle
 import shutil
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from test_hostile_input import B, damage, files, main, refused
 
@@ -140,6 +142,8 @@ def test_metadata_that_torch_would_not_take_is_refused(finished_runs, tmp_path):
     ("model.safetensors", "truncated", "model.safetensors is not a complete safetensors file"),
     ("config.json", "not json", "config.json is damaged: not JSON"),
     ("trainer_state.json", "not json", "trainer_state.json is damaged: not JSON"),
+    ("value_head.safetensors", "truncated", "value_head.safetensors is damaged: its value_head"),
+    ("value_head.safetensors", "bad header", "value_head.safetensors is damaged: its value_head"),
 ])
 def test_a_damaged_critic_is_a_one_line_error_naming_the_file(copy_of, file, how, said):
     """Before: tracebacks (SafetensorError, JSONDecodeError inside transformers), or, for trainer_state.json, exit 2
@@ -150,6 +154,35 @@ def test_a_damaged_critic_is_a_one_line_error_naming_the_file(copy_of, file, how
     error = resume("ppo.py", run_dir)
     assert error is not None and said in error and os.path.join(STEP2, "critic") in error, error
     assert files(run_dir) == before
+
+
+def test_a_value_head_of_another_shape_is_a_one_line_error_naming_the_file(copy_of):
+    """critic/value_head.safetensors, valid but not this critic's head. Before (as JSON): the same one line."""
+    run_dir = copy_of("ppo.py")
+    path = os.path.join(run_dir, STEP2, "critic", "value_head.safetensors")
+    save_file({"weight": torch.zeros(1, 3), "bias": torch.zeros(1)}, path)
+    error = resume("ppo.py", run_dir)
+    assert error is not None and f"{path} is damaged: its value_head" in error, error
+
+
+def test_an_older_critic_with_a_json_value_head_resumes_exactly(copy_of, tmp_path):
+    """An older ppo.py kept the value head as JSON lists in critic/trainer_state.json: read once, the resume's step
+    is the one a resume of the same checkpoint in today's format takes, and its checkpoint has value_head.safetensors."""
+    rows, base = {}, copy_of("ppo.py")
+    for form in ("safetensors", "json"):
+        run_dir = shutil.copytree(base, str(tmp_path / form))
+        critic = os.path.join(run_dir, STEP2, "critic")
+        if form == "json":
+            head = load_file(os.path.join(critic, "value_head.safetensors"))
+            os.remove(os.path.join(critic, "value_head.safetensors"))
+            edit_json(os.path.join(critic, "trainer_state.json"),
+                      lambda s: s.update(value_head={k: v.tolist() for k, v in head.items()}))
+        assert resume("ppo.py", run_dir) is None
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            rows[form] = [{k: v for k, v in r.items() if k.split("/")[0] in ("train", "critic", "policy", "optim")}
+                          for r in map(json.loads, f) if r.get("step") == 3 and "train/loss" in r]
+        assert os.path.isfile(os.path.join(run_dir, "checkpoints", "step_000003", "critic", "value_head.safetensors"))
+    assert rows["json"] == rows["safetensors"] and len(rows["json"]) == 1
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -172,7 +205,6 @@ def edit_json(path, edit):
     ("grpo.py", "rng_rank0.json", lambda s: s["torch"].pop(), "not a random state"),
     ("grpo.py", "rng_rank0.json", lambda s: s["python"][1].pop(), "not a random state"),
     ("ppo.py", "critic/trainer_state.json", lambda s: s["scaler"].pop("good_steps"), "its scaler"),
-    ("ppo.py", "critic/trainer_state.json", lambda s: s["value_head"]["weight"][0].pop(), "its value_head"),
 ])
 def test_state_of_the_wrong_shape_is_a_one_line_error_naming_the_file(copy_of, name, file, edit, said):
     """Before: tracebacks (KeyError, TypeError from Python's or torch's random state, a size mismatch), or a scale

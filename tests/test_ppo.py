@@ -15,8 +15,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.fsdp import load_policy
 from common.logprobs import collate
-from ppo import (gae_advantages, init_value_head, load_critic, policy_loss, value_head_state, value_loss,
-                 whiten_advantages)
+from safetensors.torch import load_file, save_file
+
+from ppo import ValueHeadState, gae_advantages, init_value_head, load_critic, policy_loss, value_loss, whiten_advantages
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -248,12 +249,21 @@ def test_value_head_init_is_seeded_and_survives_a_checkpoint(tiny_model_dir, pro
     h1, h2, h3 = init_value_head(64, seed=1), init_value_head(64, seed=1), init_value_head(64, seed=2)
     assert torch.equal(h1.weight, h2.weight) and not torch.equal(h1.weight, h3.weight)
     assert (h1.bias == 0).all() and h1.weight.std().item() == pytest.approx(1 / 65, rel=0.3)
-    # a critic checkpoint's trainer_state.json carries the value head exactly; load_critic takes it over the seed
+    # a critic checkpoint's value_head.safetensors carries the value head exactly; load_critic takes it over the seed
     critic = load_critic(tiny_model_dir, torch.float32, device, gradient_checkpointing=False, seed=1)
+    head = ValueHeadState(critic).state_dict()
     ckpt = str(tmp_path / "critic_ckpt")
     shutil.copytree(tiny_model_dir, ckpt)
+    save_file(head, os.path.join(ckpt, "value_head.safetensors"))
     with open(os.path.join(ckpt, "trainer_state.json"), "w") as f:
-        json.dump({"step": 1, "value_head": value_head_state(critic)}, f)
+        json.dump({"step": 1}, f)
+    restored = load_critic(ckpt, torch.float32, device, gradient_checkpointing=False, seed=2)
+    assert torch.equal(full(restored.value_head.weight), full(critic.value_head.weight))
+    assert torch.equal(full(restored.value_head.bias), full(critic.value_head.bias))
+    # an older ppo.py's checkpoint (the head as JSON lists in trainer_state.json) is read once, exactly
+    os.remove(os.path.join(ckpt, "value_head.safetensors"))
+    with open(os.path.join(ckpt, "trainer_state.json"), "w") as f:
+        json.dump({"step": 1, "value_head": {k: v.tolist() for k, v in head.items()}}, f)
     restored = load_critic(ckpt, torch.float32, device, gradient_checkpointing=False, seed=2)
     assert torch.equal(full(restored.value_head.weight), full(critic.value_head.weight))
     assert torch.equal(full(restored.value_head.bias), full(critic.value_head.bias))
@@ -303,7 +313,9 @@ def test_ppo_under_torchrun_then_resume_continues_exactly(tmp_path):
     assert torch.isfinite(model(torch.tensor([tok.encode("12+3=")])).logits).all()
     with open(os.path.join(path, "critic", "trainer_state.json")) as f:
         state = json.load(f)
-    assert len(state["value_head"]["weight"][0]) == model.config.hidden_size and state["scaler"]["scale"] > 0
+    head = load_file(os.path.join(path, "critic", "value_head.safetensors"))
+    assert head["weight"].shape == (1, model.config.hidden_size) and state["scaler"]["scale"] > 0
+    assert "value_head" not in state
 
     resumed = str(tmp_path / "resumed")
     p = run(TORCHRUN + ["ppo.py", "--run-dir", resumed, *SMALL, "--precision", "fp16",
@@ -326,10 +338,9 @@ def test_ppo_cpu_offload_changes_nothing_on_cpu(tmp_path):
         p = run(TORCHRUN + ["ppo.py", "--run-dir", run_dir, *SMALL, "--num-steps", "2"] + extra)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         metrics[name] = [[r[k] for k in keys] for r in read_metrics(run_dir) if "train/accuracy" in r]
-        with open(os.path.join(run_dir, "checkpoints", "step_000002", "critic", "trainer_state.json")) as f:
-            heads[name] = json.load(f)["value_head"]
+        heads[name] = load_file(os.path.join(run_dir, "checkpoints", "step_000002", "critic", "value_head.safetensors"))
     assert len(metrics["offload"]) == 2 and metrics["offload"] == metrics["plain"]
-    assert heads["offload"] == heads["plain"]
+    assert all(torch.equal(heads["offload"][k], heads["plain"][k]) for k in ("weight", "bias"))
 
 
 def test_resume_without_the_critic_checkpoint_fails_clearly(tmp_path):
