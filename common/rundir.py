@@ -114,7 +114,7 @@ class RunDir:
         self.checkpoints = os.path.join(path, "checkpoints")
         self.lock = claim_run_dir(path, infra.resume, infra.overwrite)  # rank 0 holds it for the run
         check_shared_dir(path, device)  # every rank writes its shards into the checkpoints: fail now, not at a save
-        exits.progress.ckpt_root = None if infra.overwrite else self.checkpoints  # (the message on Ctrl-C)
+        exits.progress.hint = None if infra.overwrite else self.resume_hint  # (the line on Ctrl-C)
         self.resume_dir = find_resume_dir(infra.resume, self.checkpoints) if infra.resume else None
         if self.resume_dir:  # the settings that define the run must be the checkpoint's (--accept-changes: on purpose)
             check_resume_config(self.resume_dir, path, config, infra.accept_changes)
@@ -128,7 +128,10 @@ class RunDir:
             clear_run_dir(self.path)
         if self.resume_dir:
             set_aside_newer(self.checkpoints, step, os.path.join(self.path, "metrics.jsonl"))
-        exits.progress.ckpt_root = self.checkpoints
+        exits.progress.hint = self.resume_hint
+
+    def resume_hint(self) -> str:
+        return resume_hint(self.checkpoints)
 
     def save(self, step: int, tokenizer, parts: dict, sampler) -> str:
         """Collective: save_checkpoint of every part and stream."""
@@ -167,6 +170,15 @@ class RunDir:
         if dist.get_rank() == 0:
             print(f"[resume] from {self.resume_dir} at step {step}", flush=True)
         return step
+
+
+def resume_hint(ckpt_root: str) -> str:
+    """How the line on Ctrl-C goes on: --resume latest when a checkpoint exists to resume from, else that there is
+    none (a --resume latest would fail)."""
+    found = checkpoint.list_checkpoints(ckpt_root)
+    if found:
+        return f"; resume with --resume latest (step {checkpoint.checkpoint_step(found[-1])})"
+    return ", before the run's first checkpoint: nothing to resume; start it again with --overwrite"
 
 
 def check_steps_left(resume_dir: str, num_steps: int) -> None:

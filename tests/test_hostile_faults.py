@@ -117,8 +117,8 @@ def test_a_sigint_inside_a_deferred_section_waits_and_a_second_one_acts():
 
 def test_the_ctrl_c_line_says_whether_there_is_a_checkpoint_to_resume(tmp_path):
     """Before, Ctrl-C before the first checkpoint suggested --resume latest, which then failed (no checkpoint)."""
-    from common import exits
-    exits.progress.step, exits.progress.ckpt_root = 3, str(tmp_path / "checkpoints")
+    from common import exits, rundir
+    exits.progress.step, exits.progress.hint = 3, lambda: rundir.resume_hint(str(tmp_path / "checkpoints"))
     try:
         assert exits.interrupted_line("grpo.py") == ("grpo.py: interrupted at step 3, before the run's first "
                                                      "checkpoint: nothing to resume; start it again with --overwrite")
@@ -127,7 +127,7 @@ def test_the_ctrl_c_line_says_whether_there_is_a_checkpoint_to_resume(tmp_path):
         assert exits.interrupted_line("grpo.py") == ("grpo.py: interrupted at step 3; resume with --resume latest "
                                                      "(step 2)")
     finally:
-        exits.progress.step, exits.progress.ckpt_root = 0, None
+        exits.progress.step, exits.progress.hint = 0, None
 
 
 # A plug-in reward whose first call has the training process interrupted twice, 0.5 s apart, by a process of its own
