@@ -6,14 +6,15 @@ import os
 import re
 import shutil
 import socket
+import time
 
 import torch.distributed as dist
 
 from common import checkpoint
-from common.checkpoint import find_resume_dir, load_training_state, rng_state, set_aside_newer, set_rng_state
+from common.checkpoint import find_resume_dir, load_training_state, rng_state, set_rng_state
 from common import exits
 from common.config import check_resume_config
-from common.logger import CONFIG_RESUME
+from common.logger import CONFIG_RESUME, rows_after
 from common.preflight import check_shared_dir
 
 RUN_FILES = ("config.json", "config.json.tmp", "metrics.jsonl", "metrics.jsonl.prev", "metrics.jsonl.tmp",
@@ -127,7 +128,14 @@ class RunDir:
         if self.overwrite:
             clear_run_dir(self.path)
         if self.resume_dir:
-            set_aside_newer(self.checkpoints, step, os.path.join(self.path, "metrics.jsonl"))
+            error = None
+            if dist.get_rank() == 0:
+                try:
+                    set_aside_newer(self.checkpoints, step, os.path.join(self.path, "metrics.jsonl"))
+                except OSError as e:
+                    error = f"--resume: cannot move the checkpoints after step {step} aside in {self.checkpoints}: {e}"
+            if _same_on_every_rank(error):
+                raise ValueError(error)
         exits.progress.hint = self.resume_hint
 
     def resume_hint(self) -> str:
@@ -179,6 +187,28 @@ def resume_hint(ckpt_root: str) -> str:
     if found:
         return f"; resume with --resume latest (step {checkpoint.checkpoint_step(found[-1])})"
     return ", before the run's first checkpoint: nothing to resume; start it again with --overwrite"
+
+
+def set_aside_newer(ckpt_root: str, step: int, metrics_path: str) -> None:
+    """A resume from an older step starts a new line of steps: the checkpoints of later steps are moved into
+    ckpt_root/abandoned_<time>_<pid>/ (never deleted; --resume latest and --keep-last then see the new line only),
+    with the rows of metrics_path after `step`, which the resumed run's log drops (docs/checkpoints.md). Not fsynced:
+    the next save fsyncs ckpt_root; a crash before it may leave some in place (resume from the same step again)."""
+    newer = [c for c in checkpoint.list_checkpoints(ckpt_root) if checkpoint.checkpoint_step(c) > step]
+    if not newer:
+        return
+    aside = os.path.join(ckpt_root, f"abandoned_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}")
+    os.makedirs(aside)
+    rows = rows_after(metrics_path, step)
+    if rows:  # first: the log of the line left behind goes with its checkpoints
+        with open(os.path.join(aside, "metrics.jsonl"), "w") as f:
+            f.writelines(rows)
+    for c in newer:
+        os.replace(c, os.path.join(aside, os.path.basename(c)))
+    steps = ", ".join(str(checkpoint.checkpoint_step(c)) for c in newer)
+    print(f"[resume] {ckpt_root} held checkpoints after step {step} ({steps}) of the line this resume leaves: moved "
+          f"into {aside}" + (f" with the {len(rows)} rows of metrics.jsonl after step {step}" if rows else ""),
+          flush=True)
 
 
 def check_steps_left(resume_dir: str, num_steps: int) -> None:
