@@ -1,13 +1,12 @@
 """The run directory holds one run, and one run at a time uses it (docs/faults.md, "The run directory"); its
 checkpoints, as a script saves and resumes them (docs/checkpoints.md)."""
-import fcntl
 import json
 import os
 import re
 import shutil
-import socket
 import time
 
+import filelock
 import torch.distributed as dist
 
 from common import checkpoint
@@ -18,14 +17,14 @@ from common.logger import CONFIG_RESUME, rows_after
 from common.preflight import check_shared_dir
 
 RUN_FILES = ("config.json", "config.json.tmp", "metrics.jsonl", "metrics.jsonl.prev", "metrics.jsonl.tmp",
-             "checkpoints", "critic_checkpoints", "wandb")  # what the scripts and their logger write
+             "checkpoints", "wandb")  # what the scripts and their logger write
 LOCK_FILE = ".lock"
 # A Hugging Face model's files: a directory holding any of them is a model's, never a run's (a run's models are in
 # its checkpoints/ subdirectories)
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 RUN_CONFIG_KEYS = ("exp_name", "seed", "num_steps")  # in every script's config.json (with "script" since it is kept)
-# what checkpoints/ (and an older ppo.py's critic_checkpoints/) holds: step_NNNNNN, a save in progress or cut short
+# what checkpoints/ holds: step_NNNNNN, a save in progress or cut short
 # (step_NNNNNN.tmp) and the lines a resume from an older step set aside (abandoned_<time>; docs/checkpoints.md)
 CHECKPOINT_ENTRY = re.compile(r"^(step_\d+(\.tmp)?|abandoned_[\d_-]+)$")
 
@@ -66,14 +65,14 @@ def not_a_run(run_dir: str) -> str | None:
 
 def not_ours(run_dir: str, config: dict | None) -> str | None:
     """Why a file of run_dir named as a run's (run_files) was not written by a run of this project, or None. Each is
-    recognised by what the scripts write: checkpoints/ (critic_checkpoints/) holds their step folders only; a log
+    recognised by what the scripts write: checkpoints/ holds their step folders only; a log
     and a record of settings (metrics.jsonl, config_resume_*.json, ...) lie beside a run's config.json (config: its
     contents, None without one); wandb/ beside the settings of a run that logged to it (--track). A run's files with
     anything else among them are neither written into (they would mix) nor removed by --overwrite."""
     tracked = bool(config and config.get("track"))
     for name in run_files(run_dir):
         path = os.path.join(run_dir, name)
-        if name in ("checkpoints", "critic_checkpoints"):
+        if name == "checkpoints":
             entries = sorted(os.listdir(path)) if os.path.isdir(path) and not os.path.islink(path) else None
             if entries is None:
                 return f"its {name} is not a run's checkpoints (not a directory)"
@@ -225,7 +224,7 @@ def claim_run_dir(run_dir: str, resume: str | bool | None, overwrite: bool):
     overwrite: that the run there may be removed, which clear_run_dir does once every input is checked) and nothing
     that is not a run; ValueError, one line, on every rank otherwise (docs/faults.md). Nothing is removed here, and
     with resume "latest" (--resume latest) a run_dir that does not exist is not made: there is nothing to resume.
-    Returns the lock on rank 0 (an open file: keep a reference to it for the whole run), None elsewhere."""
+    Returns the lock on rank 0 (held for the whole run: keep a reference to it), None elsewhere."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     lock, error = None, None
     if rank == 0:
@@ -251,7 +250,7 @@ def claim_run_dir(run_dir: str, resume: str | bool | None, overwrite: bool):
     error = _same_on_every_rank(error)
     if error:
         if lock is not None:
-            lock.close()
+            lock.release()
         raise ValueError(error)
     return lock
 
@@ -299,24 +298,13 @@ def _first_on_every_rank(error: str | None) -> None:
         raise ValueError(error)
 
 
-def _lock(run_dir: str):
-    """The open, locked <run_dir>/.lock, with this process's pid and host in it (for the message of the run that
-    finds it locked). On a filesystem without locks (some network filesystems) it warns and returns the file."""
+def _lock(run_dir: str) -> filelock.FileLock:
+    """<run_dir>/.lock, held (flock: the system frees it when the process ends, so a dead run's lock never blocks)."""
     os.makedirs(run_dir, exist_ok=True)
-    f = open(os.path.join(run_dir, LOCK_FILE), "a+")
+    lock = filelock.FileLock(os.path.join(run_dir, LOCK_FILE), timeout=0)
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip()
-        f.close()
-        raise ValueError(f"--run-dir {run_dir!r}: another run is using it{f' ({holder})' if holder else ''}; wait "
-                         "for it to end or give another --run-dir") from None
-    except OSError as e:
-        print(f"[run-dir] cannot lock {os.path.join(run_dir, LOCK_FILE)} ({e.strerror}): a second run started in "
-              "this directory at the same time would not be stopped", flush=True)
-        return f
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
-    return f
+        lock.acquire()
+    except filelock.Timeout:
+        raise ValueError(f"--run-dir {run_dir!r}: another run is using it; wait for it to end or give another "
+                         "--run-dir") from None
+    return lock
