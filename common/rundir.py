@@ -133,8 +133,7 @@ class RunDir:
                     set_aside_newer(self.checkpoints, step, os.path.join(self.path, "metrics.jsonl"))
                 except OSError as e:
                     error = f"--resume: cannot move the checkpoints after step {step} aside in {self.checkpoints}: {e}"
-            if _same_on_every_rank(error):
-                raise ValueError(error)
+            _raise_on_every_rank(error)
         exits.progress.hint = self.resume_hint
 
     def resume_hint(self) -> str:
@@ -173,7 +172,7 @@ class RunDir:
                     set_rng_state(streams, getattr(sampler, "generator", None))
             except ValueError as e:
                 error = str(e)
-        _first_on_every_rank(error)
+        _raise_on_every_rank(error)
         if dist.get_rank() == 0:
             print(f"[resume] from {self.resume_dir} at step {step}", flush=True)
         return step
@@ -247,11 +246,9 @@ def claim_run_dir(run_dir: str, resume: str | bool | None, overwrite: bool):
                          "--overwrite, or give another --run-dir")
         except (ValueError, OSError) as e:
             error = str(e) if isinstance(e, ValueError) else f"--run-dir {run_dir!r}: {e.strerror or e}"
-    error = _same_on_every_rank(error)
-    if error:
-        if lock is not None:
-            lock.release()
-        raise ValueError(error)
+    if error and lock is not None:
+        lock.release()
+    _raise_on_every_rank(error)
     return lock
 
 
@@ -275,22 +272,13 @@ def clear_run_dir(run_dir: str) -> None:
                 print(f"[run-dir] --overwrite: removed {', '.join(found)} from {run_dir}", flush=True)
         except OSError as e:
             error = f"--overwrite: cannot remove the old run's {e.filename or run_dir}: {e.strerror or e}"
-    error = _same_on_every_rank(error)
-    if error:
-        raise ValueError(error)
+    _raise_on_every_rank(error)
 
 
-def _same_on_every_rank(error: str | None) -> str | None:
-    if dist.is_initialized() and dist.get_world_size() > 1:  # every rank stops with the same line, or none does
-        shared = [error]
-        dist.broadcast_object_list(shared, src=0)
-        error = shared[0]
-    return error
-
-
-def _first_on_every_rank(error: str | None) -> None:
-    """Collective. Raise ValueError, on every rank, with the first failing rank's line, when any rank has one."""
-    if dist.get_world_size() > 1:
+def _raise_on_every_rank(error: str | None) -> None:
+    """Collective (where a process group exists). Raise ValueError, on every rank, with the first failing rank's line,
+    when any rank has one: every rank stops with the same line, or none does."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
         errors = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
         error = next((e for e in errors if e), None)
