@@ -5,7 +5,6 @@ rng_rank{r}.json. What each file holds, the phases of a save, resuming from an o
 import contextlib
 import dataclasses
 import enum
-import errno
 import importlib
 import json
 import math
@@ -14,7 +13,6 @@ import pickle
 import random
 import re
 import shutil
-import time
 
 import numpy as np
 import safetensors.torch
@@ -23,13 +21,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from tqdm import tqdm
 
 from common.exits import SigintDeferred
 from common.fsdp import full_state_names, iter_full_state
-from common.logger import rows_after
 from common.preflight import check_model_dir
 from common.precision import TrainingFault
 
@@ -126,8 +123,7 @@ def _save_checkpoint(ckpt_root, step, tokenizer, parts, rank_state, keep_last, s
         if optimizer is not None:  # 2. each rank writes its shard of the AdamW state (DCP fsyncs its files)
             try:
                 dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)},
-                         checkpoint_id=os.path.join(out, "optimizer"),
-                         storage_writer=_DiskFullSaysSo(os.path.join(out, "optimizer")))
+                         checkpoint_id=os.path.join(out, "optimizer"))
                 error = None
             except CheckpointException as e:  # DCP gathers every rank's failure and raises it on every rank
                 error = INTERRUPTED if interrupted_inside(e) else first_failure(e, where=tmp)
@@ -185,23 +181,6 @@ def _save_checkpoint(ckpt_root, step, tokenizer, parts, rank_state, keep_last, s
     return final
 
 
-class _DiskFullSaysSo(FileSystemWriter):
-    """DCP's file writer, except that a full disk is raised as the OSError it is: torch.save turns it into
-    `RuntimeError: unexpected pos A vs B` with the OSError as context, which DCP's gathering of every rank's failure
-    (a pickle) then drops."""
-
-    def write_data(self, plan, planner):
-        try:
-            return super().write_data(plan, planner)
-        except Exception as e:
-            full = _disk_full(e)
-            if full is None or full is e:
-                raise
-            text = str(e).strip().splitlines()
-            raise OSError(full.errno, f"{os.strerror(full.errno)}, writing into {self.path} ({type(e).__name__}: "
-                          f"{text[0] if text else ''})") from e
-
-
 INTERRUPTED = "KeyboardInterrupt"  # a phase's "error" when it was interrupted: every rank then raises KeyboardInterrupt
 
 
@@ -211,40 +190,12 @@ def interrupted_inside(e: CheckpointException) -> bool:
 
 
 def error_line(e: BaseException, rank: int | None = None, where: str | None = None) -> str:
-    """`rank r: Type: first line of the message` (r: this rank unless given). A full disk is said as such even where
-    a writer reports it otherwise: PyTorch's stream writer turns the ENOSPC of a short write into `RuntimeError:
-    unexpected pos A vs B` (the OSError is its context), named with `where`, the directory being written."""
+    """`rank r: Type: first line of the message` (r: this rank unless given). torch.save turns the ENOSPC of a short
+    write into `RuntimeError: unexpected pos A vs B` (and DCP's gathering of the failure drops the OSError behind it):
+    that line asks whether the disk of `where`, the directory being written, is full."""
     text = str(e).strip().splitlines()
-    rank = dist.get_rank() if rank is None else rank
-    line = f"rank {rank}: {type(e).__name__}: {text[0] if text else ''}"
-    full = _disk_full(e)
-    if full is not None and full is not e:
-        return (f"rank {rank}: OSError: [Errno {full.errno}] {os.strerror(full.errno)}, writing into {where} "
-                f"({type(e).__name__}: {text[0] if text else ''})")
-    if full is None and "unexpected pos" in line and where is not None:  # the OSError was lost (a gathered error)
-        return f"{line} (a write into {where} fell short: is its disk full? {_free_space(where)})"
-    return line
-
-
-def _disk_full(e: BaseException) -> OSError | None:
-    """The OSError for a full disk or quota (ENOSPC, EDQUOT) that is e or caused it, or None."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return e
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _free_space(path: str) -> str:
-    """`N MB free there` for the nearest existing directory of path."""
-    while path and not os.path.exists(path):
-        path = os.path.dirname(path)
-    try:
-        return f"{shutil.disk_usage(path or '.').free / 1e6:.0f} MB free there now"
-    except OSError:
-        return "free space unknown"
+    line = f"rank {dist.get_rank() if rank is None else rank}: {type(e).__name__}: {text[0] if text else ''}"
+    return line + (f" (a write into {where} fell short: is its disk full?)" if "unexpected pos" in line else "")
 
 
 def agree_on_failure(error: str | None, what: str, interrupted: bool = False) -> None:
@@ -331,49 +282,6 @@ def list_checkpoints(ckpt_root: str) -> list[str]:
 
 def checkpoint_step(path: str) -> int:
     return int(STEP_DIR.match(os.path.basename(path)).group(1))
-
-
-def set_aside_newer(ckpt_root: str, step: int, metrics_path: str | None = None) -> str | None:
-    """Collective. Move the checkpoints of steps after `step` into ckpt_root/abandoned_<time>/ (never deleted):
-    a resume from an older checkpoint starts a new line of steps (docs/checkpoints.md). The rows of metrics_path
-    (the run's metrics.jsonl) after `step`, which the resumed run's log drops, are copied beside them into
-    abandoned_<time>/metrics.jsonl. Returns that directory (None when there was nothing to move); raises ValueError,
-    on every rank, when the move fails."""
-    moved, error = None, None
-    if dist.get_rank() == 0:
-        newer = [c for c in list_checkpoints(ckpt_root) if checkpoint_step(c) > step]
-        if newer:
-            try:
-                moved = base = os.path.join(ckpt_root, "abandoned_" + time.strftime("%Y%m%d-%H%M%S"))
-                n = 1
-                while os.path.lexists(moved):  # (a second resume within the same second)
-                    n += 1
-                    moved = f"{base}_{n}"
-                os.makedirs(moved)
-                rows = rows_after(metrics_path, step) if metrics_path else []
-                if rows:  # first: the log of the line left behind goes with its checkpoints
-                    with open(os.path.join(moved, "metrics.jsonl"), "w") as f:
-                        f.writelines(rows)
-                        f.flush()
-                        os.fsync(f.fileno())
-                for c in newer:
-                    os.replace(c, os.path.join(moved, os.path.basename(c)))
-                fsync_dir(moved)
-                fsync_dir(ckpt_root)
-                print(f"[resume] {ckpt_root} held checkpoints after step {step} "
-                      f"({', '.join(str(checkpoint_step(c)) for c in newer)}), of the run's line this resume leaves: "
-                      f"moved into {moved} (not deleted; --resume latest and --keep-last now see this line only)"
-                      + (f"; the {len(rows)} rows of metrics.jsonl after step {step} are copied there" if rows else ""),
-                      flush=True)
-            except OSError as e:
-                error = f"--resume: cannot move the checkpoints after step {step} aside in {ckpt_root}: {e}"
-    if dist.get_world_size() > 1:  # every rank stops with the same line, or none does
-        shared = [error, moved]
-        dist.broadcast_object_list(shared, src=0)
-        error, moved = shared
-    if error:
-        raise ValueError(error)
-    return moved
 
 
 def find_resume_dir(resume: str, ckpt_root: str) -> str:

@@ -1,30 +1,30 @@
 """The run directory holds one run, and one run at a time uses it (docs/faults.md, "The run directory"); its
 checkpoints, as a script saves and resumes them (docs/checkpoints.md)."""
-import fcntl
 import json
 import os
 import re
 import shutil
-import socket
+import time
 
+import filelock
 import torch.distributed as dist
 
 from common import checkpoint
-from common.checkpoint import find_resume_dir, load_training_state, rng_state, set_aside_newer, set_rng_state
+from common.checkpoint import find_resume_dir, load_training_state, rng_state, set_rng_state
 from common import exits
 from common.config import check_resume_config
-from common.logger import CONFIG_RESUME
+from common.logger import CONFIG_RESUME, rows_after
 from common.preflight import check_shared_dir
 
 RUN_FILES = ("config.json", "config.json.tmp", "metrics.jsonl", "metrics.jsonl.prev", "metrics.jsonl.tmp",
-             "checkpoints", "critic_checkpoints", "wandb")  # what the scripts and their logger write
+             "checkpoints", "wandb")  # what the scripts and their logger write
 LOCK_FILE = ".lock"
 # A Hugging Face model's files: a directory holding any of them is a model's, never a run's (a run's models are in
 # its checkpoints/ subdirectories)
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 RUN_CONFIG_KEYS = ("exp_name", "seed", "num_steps")  # in every script's config.json (with "script" since it is kept)
-# what checkpoints/ (and an older ppo.py's critic_checkpoints/) holds: step_NNNNNN, a save in progress or cut short
+# what checkpoints/ holds: step_NNNNNN, a save in progress or cut short
 # (step_NNNNNN.tmp) and the lines a resume from an older step set aside (abandoned_<time>; docs/checkpoints.md)
 CHECKPOINT_ENTRY = re.compile(r"^(step_\d+(\.tmp)?|abandoned_[\d_-]+)$")
 
@@ -65,14 +65,14 @@ def not_a_run(run_dir: str) -> str | None:
 
 def not_ours(run_dir: str, config: dict | None) -> str | None:
     """Why a file of run_dir named as a run's (run_files) was not written by a run of this project, or None. Each is
-    recognised by what the scripts write: checkpoints/ (critic_checkpoints/) holds their step folders only; a log
+    recognised by what the scripts write: checkpoints/ holds their step folders only; a log
     and a record of settings (metrics.jsonl, config_resume_*.json, ...) lie beside a run's config.json (config: its
     contents, None without one); wandb/ beside the settings of a run that logged to it (--track). A run's files with
     anything else among them are neither written into (they would mix) nor removed by --overwrite."""
     tracked = bool(config and config.get("track"))
     for name in run_files(run_dir):
         path = os.path.join(run_dir, name)
-        if name in ("checkpoints", "critic_checkpoints"):
+        if name == "checkpoints":
             entries = sorted(os.listdir(path)) if os.path.isdir(path) and not os.path.islink(path) else None
             if entries is None:
                 return f"its {name} is not a run's checkpoints (not a directory)"
@@ -114,7 +114,7 @@ class RunDir:
         self.checkpoints = os.path.join(path, "checkpoints")
         self.lock = claim_run_dir(path, infra.resume, infra.overwrite)  # rank 0 holds it for the run
         check_shared_dir(path, device)  # every rank writes its shards into the checkpoints: fail now, not at a save
-        exits.progress.ckpt_root = None if infra.overwrite else self.checkpoints  # (the message on Ctrl-C)
+        exits.progress.hint = None if infra.overwrite else lambda: resume_hint(self.checkpoints)  # (on Ctrl-C)
         self.resume_dir = find_resume_dir(infra.resume, self.checkpoints) if infra.resume else None
         if self.resume_dir:  # the settings that define the run must be the checkpoint's (--accept-changes: on purpose)
             check_resume_config(self.resume_dir, path, config, infra.accept_changes)
@@ -127,8 +127,14 @@ class RunDir:
         if self.overwrite:
             clear_run_dir(self.path)
         if self.resume_dir:
-            set_aside_newer(self.checkpoints, step, os.path.join(self.path, "metrics.jsonl"))
-        exits.progress.ckpt_root = self.checkpoints
+            error = None
+            if dist.get_rank() == 0:
+                try:
+                    set_aside_newer(self.checkpoints, step, os.path.join(self.path, "metrics.jsonl"))
+                except OSError as e:
+                    error = f"--resume: cannot move the checkpoints after step {step} aside in {self.checkpoints}: {e}"
+            _raise_on_every_rank(error)
+        exits.progress.hint = lambda: resume_hint(self.checkpoints)
 
     def save(self, step: int, tokenizer, parts: dict, sampler) -> str:
         """Collective: save_checkpoint of every part and stream."""
@@ -163,10 +169,41 @@ class RunDir:
                     set_rng_state(streams, getattr(sampler, "generator", None))
             except ValueError as e:
                 error = str(e)
-        _first_on_every_rank(error)
+        _raise_on_every_rank(error)
         if dist.get_rank() == 0:
             print(f"[resume] from {self.resume_dir} at step {step}", flush=True)
         return step
+
+
+def resume_hint(ckpt_root: str) -> str:
+    """How the line on Ctrl-C goes on: --resume latest when a checkpoint exists to resume from, else that there is
+    none (a --resume latest would fail)."""
+    found = checkpoint.list_checkpoints(ckpt_root)
+    if found:
+        return f"; resume with --resume latest (step {checkpoint.checkpoint_step(found[-1])})"
+    return ", before the run's first checkpoint: nothing to resume; start it again with --overwrite"
+
+
+def set_aside_newer(ckpt_root: str, step: int, metrics_path: str) -> None:
+    """A resume from an older step starts a new line of steps: the checkpoints of later steps are moved into
+    ckpt_root/abandoned_<time>_<pid>/ (never deleted; --resume latest and --keep-last then see the new line only),
+    with the rows of metrics_path after `step`, which the resumed run's log drops (docs/checkpoints.md). Not fsynced:
+    the next save fsyncs ckpt_root; a crash before it may leave some in place (resume from the same step again)."""
+    newer = [c for c in checkpoint.list_checkpoints(ckpt_root) if checkpoint.checkpoint_step(c) > step]
+    if not newer:
+        return
+    aside = os.path.join(ckpt_root, f"abandoned_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}")
+    os.makedirs(aside)
+    rows = rows_after(metrics_path, step)
+    if rows:  # first: the log of the line left behind goes with its checkpoints
+        with open(os.path.join(aside, "metrics.jsonl"), "w") as f:
+            f.writelines(rows)
+    for c in newer:
+        os.replace(c, os.path.join(aside, os.path.basename(c)))
+    steps = ", ".join(str(checkpoint.checkpoint_step(c)) for c in newer)
+    print(f"[resume] {ckpt_root} held checkpoints after step {step} ({steps}) of the line this resume leaves: moved "
+          f"into {aside}" + (f" with the {len(rows)} rows of metrics.jsonl after step {step}" if rows else ""),
+          flush=True)
 
 
 def check_steps_left(resume_dir: str, num_steps: int) -> None:
@@ -183,7 +220,7 @@ def claim_run_dir(run_dir: str, resume: str | bool | None, overwrite: bool):
     overwrite: that the run there may be removed, which clear_run_dir does once every input is checked) and nothing
     that is not a run; ValueError, one line, on every rank otherwise (docs/faults.md). Nothing is removed here, and
     with resume "latest" (--resume latest) a run_dir that does not exist is not made: there is nothing to resume.
-    Returns the lock on rank 0 (an open file: keep a reference to it for the whole run), None elsewhere."""
+    Returns the lock on rank 0 (held for the whole run: keep a reference to it), None elsewhere."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     lock, error = None, None
     if rank == 0:
@@ -206,11 +243,9 @@ def claim_run_dir(run_dir: str, resume: str | bool | None, overwrite: bool):
                          "--overwrite, or give another --run-dir")
         except (ValueError, OSError) as e:
             error = str(e) if isinstance(e, ValueError) else f"--run-dir {run_dir!r}: {e.strerror or e}"
-    error = _same_on_every_rank(error)
-    if error:
-        if lock is not None:
-            lock.close()
-        raise ValueError(error)
+    if error and lock is not None:
+        lock.release()
+    _raise_on_every_rank(error)
     return lock
 
 
@@ -234,22 +269,13 @@ def clear_run_dir(run_dir: str) -> None:
                 print(f"[run-dir] --overwrite: removed {', '.join(found)} from {run_dir}", flush=True)
         except OSError as e:
             error = f"--overwrite: cannot remove the old run's {e.filename or run_dir}: {e.strerror or e}"
-    error = _same_on_every_rank(error)
-    if error:
-        raise ValueError(error)
+    _raise_on_every_rank(error)
 
 
-def _same_on_every_rank(error: str | None) -> str | None:
-    if dist.is_initialized() and dist.get_world_size() > 1:  # every rank stops with the same line, or none does
-        shared = [error]
-        dist.broadcast_object_list(shared, src=0)
-        error = shared[0]
-    return error
-
-
-def _first_on_every_rank(error: str | None) -> None:
-    """Collective. Raise ValueError, on every rank, with the first failing rank's line, when any rank has one."""
-    if dist.get_world_size() > 1:
+def _raise_on_every_rank(error: str | None) -> None:
+    """Collective (where a process group exists). Raise ValueError, on every rank, with the first failing rank's line,
+    when any rank has one: every rank stops with the same line, or none does."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
         errors = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
         error = next((e for e in errors if e), None)
@@ -257,24 +283,13 @@ def _first_on_every_rank(error: str | None) -> None:
         raise ValueError(error)
 
 
-def _lock(run_dir: str):
-    """The open, locked <run_dir>/.lock, with this process's pid and host in it (for the message of the run that
-    finds it locked). On a filesystem without locks (some network filesystems) it warns and returns the file."""
+def _lock(run_dir: str) -> filelock.FileLock:
+    """<run_dir>/.lock, held (flock: the system frees it when the process ends, so a dead run's lock never blocks)."""
     os.makedirs(run_dir, exist_ok=True)
-    f = open(os.path.join(run_dir, LOCK_FILE), "a+")
+    lock = filelock.FileLock(os.path.join(run_dir, LOCK_FILE), timeout=0)
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip()
-        f.close()
-        raise ValueError(f"--run-dir {run_dir!r}: another run is using it{f' ({holder})' if holder else ''}; wait "
-                         "for it to end or give another --run-dir") from None
-    except OSError as e:
-        print(f"[run-dir] cannot lock {os.path.join(run_dir, LOCK_FILE)} ({e.strerror}): a second run started in "
-              "this directory at the same time would not be stopped", flush=True)
-        return f
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
-    return f
+        lock.acquire()
+    except filelock.Timeout:
+        raise ValueError(f"--run-dir {run_dir!r}: another run is using it; wait for it to end or give another "
+                         "--run-dir") from None
+    return lock

@@ -189,16 +189,31 @@ def test_claim_run_dir_rules(tmp_path):
     lock = claim_run_dir(d, resume=False, overwrite=False)  # made, locked
     with pytest.raises(ValueError, match="another run is using it"):
         claim_run_dir(d, resume=True, overwrite=False)  # a second claim: refused while the first holds the lock
-    lock.close()
+    lock.release()
     (tmp_path / "run" / "config.json").write_text(json.dumps(RUN_CONFIG))
     with pytest.raises(ValueError, match="holds another run"):
         claim_run_dir(d, resume=False, overwrite=False)
-    claim_run_dir(d, resume=True, overwrite=False).close()  # resuming continues the run that is there
+    claim_run_dir(d, resume=True, overwrite=False).release()  # resuming continues the run that is there
     lock = claim_run_dir(d, resume=False, overwrite=True)  # claimed, nothing removed yet
     assert sorted(os.listdir(d)) == [LOCK_FILE, "config.json"]
     clear_run_dir(d)  # once the new run's inputs are checked
-    lock.close()
+    lock.release()
     assert os.listdir(d) == [LOCK_FILE]
+
+
+def test_the_lock_of_a_killed_run_does_not_block(tmp_path):
+    """A run killed (SIGKILL: nothing of it cleans up) leaves its .lock file, but the lock went with the process."""
+    from common.rundir import claim_run_dir
+    d = str(tmp_path / "run")
+    code = f"import time; from common.rundir import claim_run_dir; lock = claim_run_dir({d!r}, False, False); " \
+           "print('held', flush=True); time.sleep(600)"
+    holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    with pytest.raises(ValueError, match="another run is using it"):
+        claim_run_dir(d, resume=True, overwrite=False)
+    holder.kill()
+    holder.wait()
+    claim_run_dir(d, resume=True, overwrite=False).release()
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

@@ -214,7 +214,7 @@ def test_overwrite_removes_a_runs_files_and_only_them(tmp_path):
     (run / "train.log").write_text("a log teed here\n")
     lock = claim_run_dir(str(run), None, overwrite=True)
     clear_run_dir(str(run))
-    lock.close()
+    lock.release()
     assert sorted(os.listdir(run)) == [LOCK_FILE, "train.log"]
 
 
