@@ -15,19 +15,21 @@ new weights to the sampler -> log.
 import dataclasses
 import os
 from dataclasses import dataclass
+from importlib import import_module
 from typing import Literal
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that spin while waiting made
 # CPU runs on 2 shared cores 3x slower (docs/results.md, "On a CPU")
 import torch
 
-from common import batches, cli, data, exact, logprobs, metrics, preflight, rewards, rundir
+from common import batches, cli, data, logprobs, metrics, preflight, rewards, rundir
 from common.dist import print0, seed_everything, setup_distributed
 from common.fsdp import iter_full_state, load_policy, load_reference
 from common.logger import Logger
 from common.precision import LossScaler, TrainingFault, check_finite_logprobs, resolve_precisions
 from common.sampler import make_sampler
 from corrections import Corrections, CorrectionsField
+from tasks.builtin import with_builtin_task
 
 
 @dataclass
@@ -182,6 +184,10 @@ def main(args: Args) -> None:
     print0(cli.config_changes(args, Args(), BUILTIN if args.model is None else {},
                               f"BUILTIN in {os.path.basename(__file__)} (no --model)"))
     validate(args, world_size)
+    # the optional features, imported only when a flag asks for them, and refused here, before any model loads, where
+    # they cannot run: exact.py (--exact, docs/exact.md), reward_model.py (--reward-model, docs/reward-models.md)
+    exact_plan = import_module("exact").check_run(args) if infra.exact else None
+    learned = import_module("reward_model").check_run(args) if args.learned_reward.reward_model else None
     train_dtype, rollout_dtype = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
     recompute = args.old_logp == "recompute"  # else pi_old is mu (--old-logp mu): no recompute forward
     seed_everything(args.seed)
@@ -190,11 +196,11 @@ def main(args: Args) -> None:
                         cli.run_config(__file__, args))
 
     # --- data: the tokenizer, the training and evaluation problems (the built-in task's, without --model)
-    model_path, tokenizer, problems, eval_sets = data.load_task(args.model, args.dataset, infra.eval_dataset,
-                                                                 args.prompt_template, args.max_prompt_len,
-                                                                 infra.eval_max_problems)
+    model_path, dataset, eval_paths = with_builtin_task(args.model, args.dataset, list(infra.eval_dataset))
+    tokenizer, problems, eval_sets = data.load_task(model_path, dataset, eval_paths, args.prompt_template,
+                                                    args.max_prompt_len, infra.eval_max_problems)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    reward = rewards.Reward(args.reward, args.truncated_reward, tokenizer, device, rank == 0, args.learned_reward,
+    reward = rewards.Reward(args.reward, args.truncated_reward, tokenizer, device, rank == 0, learned,
                             args.prompt_template, args.train_precision or args.precision, probe=problems[:8])
 
     # --- models: the trainer (FSDP2, fp32 master weights) and the sampler (its own copy, rollout precision)
@@ -208,8 +214,9 @@ def main(args: Args) -> None:
     scaler = LossScaler(enabled=train_dtype == torch.float16, max_consecutive_skips=infra.max_skipped_steps)
     monitor = metrics.MismatchMonitor(infra.kl_warn_factor, infra.kl_baseline_steps, exact=infra.exact)  # warnings
     sampler = make_sampler(infra, weights_path, rollout_dtype, device, args.seed, rank,
-                           args.max_prompt_len + args.max_response_len)
-    exact.attach(model, sampler)  # --exact: the trainer's forward on the engine's kernels (docs/exact.md)
+                           args.max_prompt_len + args.max_response_len, exact=exact_plan)
+    if exact_plan:  # --exact: the trainer's forward on the engine's kernels (docs/exact.md)
+        exact_plan.attach(model, sampler)
     print0(f"[setup] {world_size} rank(s) on {device.type}; train {args.train_precision or args.precision}, rollout "
            f"{args.rollout_precision or args.precision}; {sum(p.numel() for p in params) / 1e6:.1f}M parameters")
     parts = {"": (model, optimizer, {"scaler": scaler, "kl_monitor": monitor, "reward": reward})}  # a checkpoint
@@ -250,8 +257,8 @@ def main(args: Args) -> None:
         adv_B = drgrpo_advantages(rewards_B, args.group_size)
 
         # --- 3. recompute old_logp with the trainer (the weights that sampled the batch), and the entropy; with
-        # --exact only now and then (exact.recompute_due: old_logp is mu bit for bit, and the count checks it)
-        recomputed = recompute and exact.recompute_due(infra, step, start_step + 1)
+        # --exact only now and then (cli.recompute_due: old_logp is mu bit for bit, and the count checks it)
+        recomputed = recompute and cli.recompute_due(infra, step, start_step + 1)
         with stats.phase("recompute"):
             groups = batches.micro_batches(rollout.seq_lens(), args.micro_batch_tokens, device) if recomputed or ref \
                 else []

@@ -105,7 +105,7 @@ def parse_args(argv=None):
                     help="torch.compile the decoder layers (the scripts' --compile; GPU only)")
     ap.add_argument("--iters", type=int, default=3, help="timed trainer steps (after one warm-up step)")
     ap.add_argument("--exact", action="store_true",
-                    help="trainer and vllm_generate in exact mode (common/exact.py, docs/exact.md): the trainer's exact "
+                    help="trainer and vllm_generate in exact mode (exact.py, docs/exact.md): the trainer's exact "
                          "forward (a vLLM engine in batch-invariant mode starts first for what it reads from it, then "
                          "stops; the process stays in that mode: run these sections on their own), the engine in "
                          "batch-invariant mode. rl_step: --rl-runs \"default:\" \"exact:--exact\"")
@@ -440,7 +440,7 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
             model = load_policy(model_dir, DTYPES[precision], device, args.gradient_checkpointing == "on",
                                 compile=compiled)
             if exact is not None:
-                from common.exact import enable_exact
+                from exact import enable_exact
                 ex = enable_exact(model, *exact)
                 print0(f"[{now()}] exact: the trainer's cuBLAS: {ex.blas}; allocated with the model loaded (the "
                        f"engine shut down): {torch.cuda.memory_allocated() / GIB:.2f} GiB")
@@ -511,7 +511,7 @@ def bench_trainer(res: Results, args, model_dir, n_params, peaks, device, rank, 
 def exact_engine_facts(model_dir: str, precision: str):
     """(plan, facts) of exact mode for the trainer alone: a vLLM engine in batch-invariant mode, started for what the
     exact forward reads from it (RoPE cache, page size, model runner) and shut down again."""
-    from common.exact import plan_for_run
+    from exact import plan_for_run
     from common.vllm_sampler import VLLMSampler
     plan = plan_for_run(model_dir, train_precision=precision, rollout_precision=precision, sampler="vllm", vllm_tp=1,
                         top_p=1.0)
@@ -864,7 +864,7 @@ def vllm_generate_child(spec: dict) -> None:
     from transformers import AutoTokenizer
     exact = None
     if spec.get("exact"):  # (batch-invariant mode must be on before vLLM is imported)
-        from common.exact import plan_for_run, prepare_vllm_process
+        from exact import plan_for_run, prepare_vllm_process
         exact = plan_for_run(spec["model"], train_precision=spec["precision"], rollout_precision=spec["precision"],
                              sampler="vllm", vllm_tp=1, top_p=1.0)
         prepare_vllm_process(exact)
@@ -882,7 +882,7 @@ def vllm_generate_child(spec: dict) -> None:
     flags = Infra(sampler="vllm", vllm_gpu_memory_utilization=spec["gpu_memory_utilization"], vllm_sleep_level=1,
                   exact=bool(spec.get("exact")))
     sampler = make_sampler(flags, spec["model"], DTYPES[spec["precision"]], device, spec["seed"], 0,
-                           spec["max_prompt_len"] + spec["max_response_len"])
+                           spec["max_prompt_len"] + spec["max_response_len"], exact=exact)
     P, G = spec["num_prompts"], spec["group_size"]
     params = sampler.sampling_params(G, spec["max_response_len"], 1.0)  # what VLLMSampler.generate asks of it
     for step in range(spec["steps"]):

@@ -12,11 +12,8 @@ import tyro
 
 from common import exits
 from common.config import _show, config_changes, flat_fields, run_config  # noqa: F401 (the scripts' start-up line)
-from common.exact import plan_for_run
-from common.precision import precision_name, resolve_precisions
 from common.preflight import check_model_dir
-from common.reward_model import check_reward_model
-from common.rewards import check_reward
+from common.rewards import check_reward, check_reward_flags
 from common.sampler import resolve_sampler
 
 
@@ -202,7 +199,7 @@ def validate(args, world_size: int, **ranges) -> None:
     exact_div(world_size, infra.vllm_tp, "the number of ranks over --vllm-tp")
     resolve_sampler(infra.sampler)
     check_reward(args.reward)  # imports a plug-in's module here, so that a typo fails before any model loads
-    check_reward_model(args.learned_reward, args.prompt_template)  # --reward-model and its --rm-* flags
+    check_reward_flags(args.learned_reward)  # no --rm-* flag without --reward-model (reward_model.py checks the rest)
     if args.model is not None:
         check_model_dir(args.model)
     for path in ([args.dataset] if args.dataset else []) + list(infra.eval_dataset):
@@ -219,10 +216,6 @@ def validate(args, world_size: int, **ranges) -> None:
         raise ValueError("--accept-changes accepts changed settings of a resumed run: it goes with --resume")
     if not infra.exact and infra.exact_check_every != Infra.exact_check_every:
         raise ValueError("--exact-check-every goes with --exact (without it the recompute runs every step)")
-    if infra.exact:  # refused here, before a model loads, where exact mode is not supported
-        train, rollout = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
-        plan_for_run(args.model, train_precision=precision_name(train), rollout_precision=precision_name(rollout),
-                     sampler=resolve_sampler(infra.sampler)[0], vllm_tp=infra.vllm_tp, top_p=args.top_p)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -233,6 +226,14 @@ def steps(first: int, last: int):
     for step in range(first, last + 1):
         exits.progress.step = step
         yield step
+
+
+def recompute_due(infra, step: int, first_step: int) -> bool:
+    """Whether step 3's recompute forward runs at `step`: always, except with --exact, where the trainer's old_logp is
+    the sampler's mu bit for bit, so the recompute runs only on the run's (or the resume's) first step and every
+    --exact-check-every steps, to count the unequal tokens over the whole batch; on the other steps old_logp is mu,
+    and the first mini-batch's forward, before any update, still counts them on its tokens."""
+    return not infra.exact or step == first_step or step % infra.exact_check_every == 0
 
 
 def run(main, parse_args) -> None:

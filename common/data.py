@@ -8,7 +8,6 @@ from functools import lru_cache
 from transformers import AutoTokenizer
 
 from common.dist import print0
-from tasks.builtin import with_builtin_task
 
 # the instruction the DeepSeek-R1 distilled models were trained with
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -182,13 +181,11 @@ def encode_problems(tokenizer, problems: list[dict], template: str, max_prompt_l
     return encoded
 
 
-def load_task(model: str | None, dataset: str | None, eval_paths, template: str, max_prompt_len: int,
-              eval_max_problems: int):
-    """(model directory, its tokenizer, the training problems, {evaluation set's name: its problems, at most
-    eval_max_problems of each (0: all)}), the problems encoded (encode_problems), and a line saying how many. Without
-    a model or a dataset, the built-in task's (tasks/builtin.py: built on first use; a file lock keeps ranks from
-    building it twice): its model, its training file, and then its evaluation file unless evaluation files are given."""
-    model, dataset, eval_paths = with_builtin_task(model, dataset, list(eval_paths))
+def load_task(model: str, dataset: str, eval_paths, template: str, max_prompt_len: int, eval_max_problems: int):
+    """(the model directory's tokenizer, the training problems, {evaluation set's name: its problems, at most
+    eval_max_problems of each (0: all)}), the problems encoded (encode_problems), and a line saying how many. The
+    scripts give the built-in task's model and files where the command line names none (tasks/builtin.py
+    with_builtin_task)."""
     tokenizer = AutoTokenizer.from_pretrained(model)
     problems = encode_problems(tokenizer, load_problems(dataset), template, max_prompt_len, dataset)
     eval_sets = {}
@@ -197,7 +194,7 @@ def load_task(model: str | None, dataset: str | None, eval_paths, template: str,
         eval_sets[eval_name(path)] = ps[:eval_max_problems] if eval_max_problems else ps
     print0(f"[data] {len(problems)} training problems; eval: "
            f"{', '.join(f'{k} ({len(v)})' for k, v in eval_sets.items()) or 'none'}")
-    return model, tokenizer, problems, eval_sets
+    return tokenizer, problems, eval_sets
 
 
 def eval_name(path: str) -> str:

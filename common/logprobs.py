@@ -19,7 +19,7 @@ def _chunk_logprobs(hidden_NH, weight_VH, targets_N, temperature: float, with_en
 def chunked_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, temperature: float,
                      chunk_size: int, with_entropy: bool = False, chunk_fn=_chunk_logprobs):
     """log softmax(hidden @ weight.T / temperature)[target] in fp32, computed `chunk_size` tokens at a time by
-    `chunk_fn` (exact mode passes its own, common/exact.py). Returns (logp_N, entropy_N or None)."""
+    `chunk_fn` (exact mode passes its own, exact.py). Returns (logp_N, entropy_N or None)."""
     logps, ents = [], []
     for i in range(0, hidden_NH.shape[0], chunk_size):
         args = (hidden_NH[i:i + chunk_size], weight_VH, targets_N[i:i + chunk_size], temperature, with_entropy)
@@ -38,7 +38,7 @@ def chunked_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N
 class PolicyModel(nn.Module):
     """A Hugging Face causal LM whose forward returns the log-probs of the response tokens; the FSDP2 root
     (load_sharded). `self.lm` keeps the Hugging Face names for checkpoints and the weight sync. `self.exact`: None,
-    or the exact forward (common.exact.enable_exact) that replaces the hidden states and the head."""
+    or the exact forward (exact.enable_exact) that replaces the hidden states and the head."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()

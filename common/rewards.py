@@ -7,7 +7,7 @@ The math check and the plug-ins run in time- and memory-bounded worker processes
 raises, runs past its time limit or returns anything but a finite number scores 0 and counts as a failure
 (train/reward_failures, eval/<name>/reward_failures); a step whose every check failed stops the run.
 Reward (the end of this file) is a step's reward: the rule's, or with --reward-model a reward model's score
-(common/reward_model.py) with the rule beside it.
+(reward_model.py, which the scripts import only with --reward-model and hand to Reward) with the rule beside it.
 """
 import math
 import re
@@ -15,16 +15,17 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from fractions import Fraction
+from typing import Literal
 
 import torch
+import tyro
 
 from common import exits
 from common.data import prompt_text
 from common.dist import print0, reduce_stats
 from common.precision import TrainingFault
-from common.reward_model import (RewardModel, RewardModelField, RewardModelFlags,  # noqa: F401 (the scripts' flags)
-                                  RunningMeanStd, check_reward_model)
 from workers import reward_pool
 
 exits.at_hard_exit(reward_pool.kill_now)  # a second Ctrl-C ends the process at once: its reward workers with it
@@ -269,11 +270,78 @@ def check_step_rewards(step: int, failures: int, checked: int, device) -> None:
                             "first error of each kind is printed above); stopped before training on it")
 
 
+@dataclass
+class RewardModelFlags:
+    """The learned-reward flags, one Args field (`learned_reward`) of the scripts: flat on the command line
+    (--reward-model, --rm-*) and in config.json."""
+    reward_model: str | None = None
+    """a reward model directory (Hugging Face AutoModelForSequenceClassification, one label; tasks/reward_model.py
+    trains one): its score of prompt + response is the reward that trains, and --reward only measures
+    (train/accuracy, eval/*). None: --reward trains"""
+    rm_precision: Literal["fp16", "bf16", "fp32"] | None = None
+    """the reward model's compute precision (default: the train precision)"""
+    rm_batch_tokens: int = 32768
+    """token budget of one scoring forward of the reward model (rows x longest row, padding included)"""
+    rm_normalize: bool = False
+    """normalize each score by the running mean and std of every score so far (all ranks, this step's included):
+    (s - mean) / sqrt(var + 1e-8); the running state goes into the checkpoints"""
+    rm_clip: float = 0.0
+    """clip the (normalized) score to [-rm_clip, rm_clip]; 0: no clip"""
+
+
+# an Args field's type: the flags are --reward-model and --rm-*, not --learned-reward.reward-model
+RewardModelField = tyro.conf.OmitArgPrefixes[RewardModelFlags]
+
+
+def check_reward_flags(flags: RewardModelFlags) -> None:
+    """Without --reward-model, no --rm-* flag: a one-line ValueError naming the ones given. (With one,
+    reward_model.py's check_reward_model checks the rest; the scripts import it only then.)"""
+    if flags.reward_model is not None:
+        return
+    default = RewardModelFlags()
+    changed = [name for name, on in (("--rm-precision", flags.rm_precision is not None),
+                                     ("--rm-batch-tokens", flags.rm_batch_tokens != default.rm_batch_tokens),
+                                     ("--rm-normalize", flags.rm_normalize), ("--rm-clip", flags.rm_clip != 0))
+               if on]
+    if changed:
+        raise ValueError(f"{', '.join(changed)}: no --reward-model to apply to")
+
+
+class RunningMeanStd:
+    """Mean and variance of every value seen so far, merged a batch at a time (Chan, Golub and LeVeque's parallel
+    update, "Updating formulae and a pairwise algorithm for computing sample variances", 1979), in float64."""
+
+    def __init__(self):
+        self.count, self.mean, self.m2 = 0.0, 0.0, 0.0  # m2: sum of squared deviations from the mean
+
+    def update(self, n: float, total: float, total_sq: float) -> None:
+        """Merge a batch given by its count, sum and sum of squares (sums over all ranks: common.dist.reduce_stats)."""
+        if n <= 0:
+            return
+        mean_b = total / n
+        m2_b = max(total_sq - n * mean_b ** 2, 0.0)
+        count = self.count + n
+        delta = mean_b - self.mean
+        self.mean += delta * n / count
+        self.m2 += m2_b + delta ** 2 * self.count * n / count
+        self.count = count
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / self.count) if self.count else 0.0
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count, self.mean, self.m2 = float(state["count"]), float(state["mean"]), float(state["m2"])
+
+
 class Reward:
     """The reward of a step (step 2), built once at setup. Without a reward model, the rule (--reward: math, exact,
     number, module:function) is the reward, a response cut at the length limit getting truncated_reward. With one
-    (`learned`, common.reward_model.RewardModelFlags with a reward_model directory), its score of prompt + response
-    trains and the rule only measures: train/accuracy and its companions are the rule's verdicts (a cut response
+    (`learned`: reward_model.py's Learned, from the script's check_run: its flags, and load(precision, device), a
+    scorer with score(prompts, responses) and describe(tokenizer)), its score of prompt + response trains and the rule only measures: train/accuracy and its companions are the rule's verdicts (a cut response
     counts as wrong there), and evaluation, which the scripts give the rule, is unchanged. A score that is nan or inf,
     or of an input longer than the reward model's positions, is a reward failure, counted as a rule's failed check.
     A cut response (the reward model does not score it) and a failed one get the step's lowest reward (of every rank's
@@ -292,11 +360,11 @@ class Reward:
         self.kind, self.truncated_reward, self.tokenizer = kind, float(truncated_reward), tokenizer
         self.device, self.progress, self.learned, self.template = device, progress, learned, template
         self.model = self.norm = None
-        if learned is None or learned.reward_model is None:
+        if learned is None:
             return
-        fmt = check_reward_model(learned, template)
-        precision = learned.rm_precision or precision
-        self.model = RewardModel(learned.reward_model, fmt, precision, device, learned.rm_batch_tokens)
+        precision = learned.flags.rm_precision or precision
+        self.model = learned.load(precision, device)
+        self.learned = learned = learned.flags  # the --reward-model and --rm-* flags, from here on
         self.norm = RunningMeanStd() if learned.rm_normalize else None
         on = " and ".join(w for w, yes in (("normalized", learned.rm_normalize), ("clipped", learned.rm_clip > 0))
                           if yes)

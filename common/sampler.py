@@ -7,9 +7,7 @@ import importlib.util
 import torch
 
 from common.dist import stream_seed
-from common.exact import plan_for_run
 from common.hf_sampler import HFSampler
-from common.precision import precision_name
 from common.vllm_sampler import VLLMSampler
 
 
@@ -27,22 +25,19 @@ def resolve_sampler(kind: str) -> tuple[str, str]:
     return kind, "as asked"
 
 
-def make_sampler(flags, model_path: str, dtype: torch.dtype, device, seed: int, rank: int, max_model_len: int):
+def make_sampler(flags, model_path: str, dtype: torch.dtype, device, seed: int, rank: int, max_model_len: int,
+                 exact=None):
     """The sampler of a rank, as `flags` say: common.cli.Infra, or any object with its fields sampler,
-    sampler_batch_size, vllm_gpu_memory_utilization and vllm_kv_cache_gib (a tool without vllm_tp, vllm_sleep_level or
-    exact gets 1, 0 and False). vLLM engines are seeded per TP group, the fallback sampler per rank, each with
-    stream_seed(seed, index) (streams of runs with other seeds never coincide); with --exact, the engine runs in
-    exact mode (docs/exact.md; the run's flags were checked by common.cli.validate). Prints which sampler and why."""
+    sampler_batch_size, vllm_gpu_memory_utilization and vllm_kv_cache_gib (a tool without vllm_tp or vllm_sleep_level
+    gets 1 and 0). vLLM engines are seeded per TP group, the fallback sampler per rank, each with
+    stream_seed(seed, index) (streams of runs with other seeds never coincide). exact: with --exact, the plan that the
+    script got from exact.py (check_run, which refused any sampler but vLLM): the engine runs in exact mode
+    (docs/exact.md). Prints which sampler and why."""
     kind, why = resolve_sampler(flags.sampler)
     tp, sleep_level = getattr(flags, "vllm_tp", 1), getattr(flags, "vllm_sleep_level", 0)
     if rank == 0:
         print(f"[sampler] {kind} ({why})", flush=True)
     if kind == "vllm":
-        plan = None
-        if getattr(flags, "exact", False):
-            name = precision_name(dtype)
-            plan = plan_for_run(model_path, train_precision=name, rollout_precision=name, sampler=kind, vllm_tp=tp,
-                                top_p=1.0)
         return VLLMSampler(model_path, dtype, stream_seed(seed, rank // tp), max_model_len, tp,
-                           flags.vllm_gpu_memory_utilization, sleep_level, flags.vllm_kv_cache_gib, exact=plan)
+                           flags.vllm_gpu_memory_utilization, sleep_level, flags.vllm_kv_cache_gib, exact=exact)
     return HFSampler(model_path, dtype, device, stream_seed(seed, rank), flags.sampler_batch_size)

@@ -1,7 +1,7 @@
 """The vLLM sampler: one in-process engine per torchrun rank, colocated with the trainer (docs/samplers.md):
 external_launcher over the trainer's process group, seeded per rank (per TP group), never per request,
 processed_logprobs (mu after temperature), weights reloaded in place from the trainer, sleep mode while it trains.
-vLLM's internals are touched in `_model_runner` and, for exact mode (`exact=ExactPlan`), in common/exact.py's
+vLLM's internals are touched in `_model_runner` and, for exact mode (`exact=ExactPlan`), in exact.py's
 "vLLM internals" section.
 """
 import gc
@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from common.batches import Rollout
-from common.exact import engine_facts, engine_kwargs, install_rmsnorm_patch, prepare_vllm_process, verify_engine
 from common.precision import precision_name
 
 def _model_runner(llm):
@@ -59,13 +58,15 @@ class VLLMSampler:
     def __init__(self, model_path: str, dtype: torch.dtype, seed: int, max_model_len: int, tp: int = 1,
                  gpu_memory_utilization: float = 0.3, sleep_level: int = 1, kv_cache_gib: float = 0.0,
                  exact=None, enforce_eager: bool | None = None, prefix_caching: bool = True):
-        """exact: a common.exact.ExactPlan: vLLM in batch-invariant mode, for the whole process (docs/exact.md);
-        self.exact_facts then holds what the trainer's exact forward needs from the engine (common.exact.attach).
+        """exact: exact mode's plan (exact.py's ExactPlan, given by the script; this module calls its hooks
+        prepare_process, engine_args and engine_started and imports no exact.py): vLLM in batch-invariant mode, for the
+        whole process (docs/exact.md); self.exact_facts then holds what the trainer's exact forward needs from the
+        engine (ExactPlan.attach).
         enforce_eager: None runs eager on a CPU only (exact mode decides for itself). prefix_caching: reuse the KV
         of shared prefixes."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         if exact is not None:
-            prepare_vllm_process(exact)
+            exact.prepare_process()
         if importlib.util.find_spec("flashinfer") is None:  # some vLLM builds leave it out; vLLM's FlashInfer
             os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # sampler then fails at start, importing it
         # external_launcher reads torchrun's variables; a plain `python script.py` is a group of one
@@ -77,9 +78,7 @@ class VLLMSampler:
                 self.env_set.append(key)
         LLM = _import_llm()
         if exact is not None:
-            if exact.rmsnorm_patch:
-                install_rmsnorm_patch()  # before the engine builds (and traces) the model
-            mode = engine_kwargs(exact)
+            mode = exact.engine_args()  # (the RMSNorm patch goes in here: before the engine builds the model)
         else:
             mode = {"enforce_eager": not torch.cuda.is_available() if enforce_eager is None else enforce_eager}
         self.tp = tp
@@ -105,8 +104,7 @@ class VLLMSampler:
             raise
         self.exact_plan, self.exact_facts = exact, None
         if exact is not None:
-            self.exact_facts = engine_facts(self.llm, _model_runner(self.llm))
-            verify_engine(exact, self.exact_facts)
+            self.exact_facts = exact.engine_started(self.llm, _model_runner(self.llm))
         self.tp_group = None
         if tp > 1:  # every rank creates every TP group (new_group is collective), keeps its own
             world = dist.get_world_size()

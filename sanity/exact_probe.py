@@ -171,7 +171,7 @@ def _attention(kind, q, kc, vc, cu_q, max_q, seq_lens, max_k, block_table, scale
 
 
 def kernel_probes(rows_path: str, precisions):
-    from common.exact import ExactPlan, Pack, TorchKernels, VllmKernels, _Attention, _Linear, _RMSNorm, _Rope, \
+    from exact import ExactPlan, Pack, TorchKernels, VllmKernels, _Attention, _Linear, _RMSNorm, _Rope, \
         _SiluAndMul, _TokenLogprob, fused_add_rms_norm_fixed, paged, prepare_vllm_process, rope_cache
     from common.logprobs import collate
     prepare_vllm_process(ExactPlan(head_dim=128, attention="FLASH_ATTN"))
@@ -315,7 +315,7 @@ def kernel_probes(rows_path: str, precisions):
 def engine_probes(rows_path: str, variant: str, model_dir: str, name: str, precision: str):
     from transformers import AutoModelForCausalLM
     from common.dist import setup_distributed
-    from common.exact import enable_exact, plan_for_run
+    from exact import enable_exact, plan_for_run
     from common.logprobs import PolicyModel
     from common.precision import DTYPES
     from common.vllm_sampler import VLLMSampler
@@ -349,7 +349,7 @@ def engine_probes(rows_path: str, variant: str, model_dir: str, name: str, preci
 def hook_probes(rows, sampler, model, ex, vocab: int):
     """One prefill step and the decode step after it, recorded by hooks on vLLM's layers; every op of the exact
     forward on vLLM's own inputs against vLLM's outputs."""
-    from common.exact import Pack
+    from exact import Pack
     from common.logprobs import collate
     from common.vllm_sampler import _model_runner, _sampled_logprobs
     from sanity.mismatch_anatomy import ExactOps, VllmCapture, isolated
@@ -437,7 +437,7 @@ def hook_probes(rows, sampler, model, ex, vocab: int):
 def end_to_end(rows, sampler, model, ex, plan, vocab: int):
     """A rollout of mixed lengths (8 prompts x 4), recomputed by the trainer with each of its switches; old_logp
     against mu token by token. Then temperature 0.7; then the default trainer (Hugging Face path), for reference."""
-    from common.exact import ExactForward, VllmKernels
+    from exact import ExactForward, VllmKernels
     from sanity.mismatch_analysis import recompute_logp
     dev = next(model.parameters()).device
     g = torch.Generator().manual_seed(3)

@@ -6,7 +6,7 @@ For each precision p, vLLM (in p) samples --num-prompts x --samples responses at
 (i) op by op, for --op-sequences of those sequences (spread over the lengths): prompt + response scored by vLLM as one
     prompt in one prefill (forward hooks on its modules; an eager engine, since a compiled or graph-replayed one runs
     no hooks) and by the trainer's forward (PolicyModel in p, unsharded, hooks on the Hugging Face modules; with
-    --exact also the exact forward of common/exact.py). Per op group (embedding, input norm, q/k/v, RoPE, attention,
+    --exact also the exact forward of exact.py). Per op group (embedding, input norm, q/k/v, RoPE, attention,
     o_proj, residual sums, post-attention norm, gate/up, SiLU-and-mul, down_proj, final norm, lm_head, log-prob) and
     layer: max |diff|, mean |diff| and the fraction of bitwise-equal elements, both "accumulated" (each side from its
     own inputs: how the difference grows) and "isolated" (the trainer's op applied to vLLM's own inputs: which ops
@@ -80,7 +80,7 @@ class Args:
     op_sequences: int = 4
     """sequences compared op by op, (i) (each holds every layer's activations of both sides in GPU memory)"""
     exact: bool = False
-    """vLLM in batch-invariant mode as grpo.py --exact runs it, and the trainer's exact forward (common/exact.py)
+    """vLLM in batch-invariant mode as grpo.py --exact runs it, and the trainer's exact forward (exact.py)
     measured beside its default one. The mode is process-wide: the default forward then runs with aten's log_softmax,
     softmax, mean and bmm replaced by vLLM's Triton kernels and TF32 off (docs/exact.md)"""
     vllm_eager: bool = True
@@ -621,7 +621,7 @@ def validate(args: Args) -> None:
 
 
 def exact_plan(args: Args, model_path: str, precision: str):
-    from common.exact import plan_for_run
+    from exact import plan_for_run
     return plan_for_run(model_path, train_precision=precision, rollout_precision=precision, sampler="vllm",
                         vllm_tp=1, top_p=1.0, engine="eager" if args.vllm_eager else "graphs")
 
@@ -629,7 +629,7 @@ def exact_plan(args: Args, model_path: str, precision: str):
 def run_precision(args: Args, p: str, model_path: str, prompts: list[list[int]], device) -> dict:
     from transformers import AutoModelForCausalLM
     from common.dist import setup_distributed
-    from common.exact import Pack, enable_exact
+    from exact import Pack, enable_exact
     from common.logprobs import PolicyModel, collate
     from common.precision import DTYPES
     from common.vllm_sampler import VLLMSampler, _model_runner

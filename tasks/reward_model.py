@@ -66,7 +66,7 @@ class Args:
     """replace --out-dir if it exists and is a reward model this tool wrote (its reward_model.json); anything else,
     or a directory that holds --base or the pairs, is refused (without it an existing --out-dir is refused)"""
     format: Literal["auto", "chat", "raw"] = "auto"
-    """the input format (common/reward_model.py): 'chat' (the tokenizer's chat template around the prompt and the
+    """the input format (reward_model.py): 'chat' (the tokenizer's chat template around the prompt and the
     response; for RL with a chat --prompt-template), 'raw' (prompt + response + end-of-sequence; for a raw one),
     'auto': chat when the tokenizer has a chat template"""
     epochs: int = 1
@@ -177,7 +177,7 @@ def encode_pairs(tokenizer, pairs: list[dict], fmt: str, max_len: int) -> tuple[
     preference to learn, and a tie that counts as wrong). The start: the length of what the chosen input shares with
     the input of an empty response (the prompt and what the format puts before the response). margin: the pair's
     (read_pairs), 0 where it has none."""
-    from common.reward_model import rm_input_ids
+    from reward_model import rm_input_ids
     out, skipped, same = [], 0, 0
     for p in pairs:
         c = rm_input_ids(tokenizer, p["prompt"], p["chosen"], fmt)
@@ -198,7 +198,7 @@ def pair_scores(model, encoded: list[tuple], idx: list[int], pad_id: int, device
                 out_weight_VH: torch.Tensor | None = None):
     """(r_chosen_B, r_rejected_B, lm_loss_sum) of the pairs `idx`, in one forward over both sides. lm_loss_sum: with
     out_weight_VH (the output embedding), the summed next-token loss of the chosen responses' tokens (else 0)."""
-    from common.reward_model import right_pad, sequence_scores
+    from reward_model import right_pad, sequence_scores
     ids, mask = right_pad([encoded[i][0] for i in idx] + [encoded[i][1] for i in idx], pad_id, device)
     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         r_2B, hidden_2BLH = sequence_scores(model, ids, mask, return_hidden=True)
@@ -280,7 +280,7 @@ def train_reward_model(base: str, train_pairs: list[dict], eval_pairs: list[dict
     the batch of (r_chosen + r_rejected)^2 (Args.center_rewards_coefficient)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from common.reward_model import INFO_FILE, pad_id_of
+    from reward_model import INFO_FILE, pad_id_of
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(base)
@@ -453,7 +453,7 @@ def _build_builtin(tmp: str) -> None:
         if prev != task["model"]:
             shutil.rmtree(prev)
         prev = out
-    from common.reward_model import INFO_FILE, read_info
+    from reward_model import INFO_FILE, read_info
     info = {**read_info(prev), "base": task["model"], "pairs": "generated sums (tasks/reward_model.py, sum_pairs)",
             "curriculum": curriculum, "stage_steps": taken, "steps": sum(taken),
             "held_out": "the built-in policy's samples on the task's evaluation problems",
@@ -484,7 +484,7 @@ def check_out_dir(out_dir: str, overwrite: bool, inputs: dict[str, str | None]) 
     """ValueError (one line) unless out_dir may be written: it does not exist, or --overwrite and it is a reward model
     this tool wrote (a directory with its reward_model.json), none of whose files is one of `inputs` ({flag: path}):
     --overwrite removes what this tool wrote, never a model or a run directory of another kind, nor its own base."""
-    from common.reward_model import INFO_FILE, read_info
+    from reward_model import INFO_FILE, read_info
     if not os.path.lexists(out_dir):
         return
     if not overwrite:
@@ -513,7 +513,7 @@ def main(args: Args) -> dict:
     if args.base is None or args.pairs is None:
         raise ValueError("give --base and --pairs (or --builtin for the built-in task's reward model)")
     from common.preflight import check_model_dir
-    from common.reward_model import is_classifier, num_labels, read_config
+    from reward_model import is_classifier, num_labels, read_config
     check_model_dir(args.base, "--base")
     where = f"--base {args.base!r}"
     config = read_config(args.base, where)

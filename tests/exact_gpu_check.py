@@ -23,7 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.batches import micro_batches  # noqa: E402
 from common.dist import setup_distributed  # noqa: E402
-from common.exact import describe, enable_exact, plan_for_run  # noqa: E402
+from exact import describe, enable_exact, plan_for_run  # noqa: E402
 from common.fsdp import iter_full_state, load_policy  # noqa: E402
 from common.logprobs import collate, recompute_logprobs  # noqa: E402
 from common.metrics import StepStats  # noqa: E402
@@ -36,7 +36,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--precision", required=True, choices=["fp16", "bf16"])
-    ap.add_argument("--engine", default="graphs", help="how vLLM runs the model (common.exact.ENGINES)")
+    ap.add_argument("--engine", default="graphs", help="how vLLM runs the model (exact.ENGINES)")
     ap.add_argument("--prompts", type=int, default=12, help="prompts per rank (4 responses each at temperature 1)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     a = ap.parse_args()

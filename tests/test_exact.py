@@ -1,4 +1,4 @@
-"""Exact mode on a CPU (common/exact.py; docs/exact.md): what is refused and how (one line, exit 2 through grpo.py),
+"""Exact mode on a CPU (exact.py; docs/exact.md): what is refused and how (one line, exit 2 through grpo.py),
 the packing of right-padded rows into vLLM's layout, the backward of every op against its forward (gradcheck, fp64),
 and the whole exact forward wired through an FSDP2 PolicyModel with torch reference kernels standing in for vLLM's:
 the same log-probs, entropy and gradients as the default forward up to fp32 rounding. vLLM's own kernels and the
@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from common.exact import (PINNED_VLLM, SUPPORTED, ExactForward, ExactPlan, Pack, TorchKernels, _Attention, _Linear,
+from exact import (PINNED_VLLM, SUPPORTED, ExactForward, ExactPlan, Pack, TorchKernels, _Attention, _Linear,
                           _RMSNorm, _Rope, _SiluAndMul, _Temperature, _TokenLogprob, check_exact, describe, engine_kwargs,
                           fused_add_rms_norm_fixed, install_rmsnorm_patch, padded_sdpa, paged, prepare_vllm_process,
                           remove_rmsnorm_patch, rope_cache, verify_engine)
@@ -235,7 +235,7 @@ def test_the_trainer_gets_its_cublas_settings_back_after_the_engine(monkeypatch)
     """Batch-invariant mode cuts cuBLAS's workspaces, prefers cuBLASLt and turns reduced-precision reductions off for
     the whole process (vLLM's enable_batch_invariant_mode); only the trainer's backward uses cuBLAS then, and it gets
     back what the process had before the engine started: a user's own setting kept, vLLM's removed."""
-    import common.exact as exact
+    import exact
     state, cleared = {"library": "Cublas"}, []
 
     def preferred(backend=None):
@@ -307,7 +307,7 @@ def test_engine_arguments_and_the_engine_check():
 
 
 def test_recompute_runs_every_step_by_default_and_only_now_and_then_with_exact():
-    from common.exact import recompute_due
+    from common.cli import recompute_due
     flags = types.SimpleNamespace(exact=False, exact_check_every=10)
     assert all(recompute_due(flags, step, 1) for step in range(1, 30))
     flags.exact = True

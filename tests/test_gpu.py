@@ -297,11 +297,11 @@ def test_grpo_with_vllm_on_gpu(small_model_dir, tmp_path, precision):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(128, 12, 2), (64, 14, 2)])
 def test_exact_backward_on_gpu(dtype, head_dim, heads, kv_heads):
-    """Exact mode's backward on a GPU (common/exact.py): FlashAttention-2's varlen backward on the packed tokens and
+    """Exact mode's backward on a GPU (exact.py): FlashAttention-2's varlen backward on the packed tokens and
     the element-wise backwards compiled by torch.compile, against the same math in fp64 (padded_sdpa under autograd,
     the plain functions). Rows of mixed lengths, grouped K/V heads. Tolerances from the dtype's rounding: the
     relative error of a gradient summed over a row stays within a few dozen units of its last place."""
-    from common.exact import (Pack, attention_backward, padded_sdpa, rms_norm_backward, rope_backward, rope_cache,
+    from exact import (Pack, attention_backward, padded_sdpa, rms_norm_backward, rope_backward, rope_cache,
                               silu_and_mul_backward, token_logprob_backward)
     torch.manual_seed(0)
     lens, resp = torch.tensor([300, 17, 129, 1, 64]), torch.tensor([200, 5, 100, 1, 30])

@@ -127,7 +127,7 @@ def test_probe_and_exact_capture_run_on_cpu_with_vllm(tmp_path, process_group, m
     vLLM's CUDA ones. Not bitwise (other kernels), but every row lines up: each op agrees to fp32 rounding, which a
     wrong row, position or sequence mapping would not (their values differ by O(1))."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
-    import common.exact as E
+    import exact as E
     import sanity.exact_probe as P
     from common.logprobs import PolicyModel, collate
     from common.vllm_sampler import VLLMSampler, _model_runner

@@ -1,6 +1,6 @@
 """The mismatch as a count (common/metrics.py mismatch: mismatch/unequal_tokens, unequal_frac, logp_abs_diff_max):
 tokens whose trainer log-prob differs from the sampler's at all, where kl_k3 reads 0; a metric over no tokens is NaN,
-never 0; and --exact's skipped recompute (common/exact.py recompute_due) wired the same way in every script."""
+never 0; and --exact's skipped recompute (common/cli.py recompute_due) wired the same way in every script."""
 import json
 import math
 import os
@@ -48,8 +48,8 @@ def test_a_mismatch_over_no_tokens_is_nan_not_zero():
 DRIVER = """
 import importlib, json, sys
 sys.path.insert(0, {root!r})
-import common.exact, common.logprobs
-common.exact.recompute_due = lambda infra, step, first_step: step != 2  # as --exact skips it, on step 2
+import common.cli, common.logprobs
+common.cli.recompute_due = lambda infra, step, first_step: step != 2  # as --exact skips it, on step 2
 forwards, recompute = [], common.logprobs.recompute_logprobs
 def counted(model, rollout, groups, *a, **k):
     forwards.append(len(groups))

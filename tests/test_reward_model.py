@@ -14,10 +14,9 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from common.reward_model import (RewardModel, RewardModelFlags, RunningMeanStd, check_reward_model, rm_input_ids,
-                                 sequence_scores)
 from common.metrics import StepStats
-from common.rewards import Reward, exact_match_reward
+from common.rewards import Reward, RewardModelFlags, RunningMeanStd, exact_match_reward
+from reward_model import Learned, RewardModel, check_reward_model, rm_input_ids, sequence_scores
 from tasks.reward_model import (accumulate_gradients, bradley_terry_loss, encode_pairs, read_pairs, split_by_prompt,
                                  train_reward_model)
 from conftest import SCRIPTS, assert_close_to_rounding, fp32_rounding_bound
@@ -71,8 +70,10 @@ def flags(path, **kw):
     return RewardModelFlags(reward_model=path, **kw)
 
 
-def step_reward(rule, truncated, learned, probe=()):
-    """Reward as the scripts build it, on the CPU in fp32, with the raw prompt template."""
+def step_reward(rule, truncated, flags, probe=()):
+    """Reward as the scripts build it (reward_model.check_run: the flags checked, then Reward loads the model), on the
+    CPU in fp32, with the raw prompt template."""
+    learned = Learned(flags, check_reward_model(flags, "{problem}")) if flags.reward_model else None
     return Reward(rule, truncated, None, CPU, False, learned, "{problem}", "fp32", probe=probe)
 
 
@@ -260,7 +261,7 @@ def test_a_published_model_whose_pad_is_eos_is_read_as_transformers_reads_it(pad
     ours = torch.tensor(rm.score(*zip(*TEXTS)))
     seqs = [rm_input_ids(rm.tokenizer, p, r, "raw") for p, r in TEXTS]
     assert all(s[-1] == rm.tokenizer.eos_token_id for s in seqs)
-    from common.reward_model import right_pad
+    from reward_model import right_pad
     ids, mask = right_pad(seqs, rm.tokenizer.pad_token_id, CPU)
     with torch.no_grad():
         theirs = rm.model(input_ids=ids, attention_mask=mask).logits[:, 0]
@@ -300,7 +301,7 @@ def test_the_score_head_runs_in_fp32_under_autocast(small_rm):
     (autocast alone would run F.linear in bf16 and round every score to 8 bits of mantissa)."""
     path, _ = small_rm
     rm = RewardModel(path, "raw", "fp32", CPU, 10 ** 6)
-    from common.reward_model import right_pad
+    from reward_model import right_pad
     ids, mask = right_pad([rm_input_ids(rm.tokenizer, p, r, "raw") for p, r in TEXTS], 0, CPU)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         score_B, hidden_BLH = sequence_scores(rm.model, ids, mask, return_hidden=True)

@@ -88,18 +88,30 @@ def test_the_loss_receives_the_weights_and_normalizers_and_train_loss_is_its_mea
 def one_minibatch(tmp_path_factory):
     """rows(script, mode): the step of a one-mini-batch run at --temperature 0.7 through tests/wiring.py record (mu
     perturbed), pi_old recomputed (mode 'recompute') or from the first mini-batch's forward ('first'); each run once
-    for the tests that read it."""
+    for the tests that read it. rows.calls(script, mode): what tests/wiring.py recorded in that run."""
     done = {}
 
-    def rows(script, mode):
+    def once(script, mode):
         if (script, mode) not in done:
             first = ["--old-logp", "mu"] if "old_logp" in fields(script) else ["--mismatch-from", "first-minibatch"]
             d = tmp_path_factory.mktemp(f"{script[:-3]}_{mode}")
             run([sys.executable, "tests/wiring.py", "record", str(d / "calls.json"), script, "--run-dir",
                  str(d / "run"), *ONE_MINIBATCH, "--temperature", "0.7", *(first if mode == "first" else [])])
-            done[script, mode] = steps(str(d / "run"))[0]
+            with open(d / "calls.json") as f:
+                done[script, mode] = steps(str(d / "run"))[0], json.load(f)
         return done[script, mode]
+
+    def rows(script, mode):
+        return once(script, mode)[0]
+    rows.calls = lambda script, mode: once(script, mode)[1]
     return rows
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_default_run_imports_no_optional_feature(one_minibatch, script):
+    """exact.py and reward_model.py are imported by the scripts only when --exact / --reward-model asks: a run
+    without those flags (setup, a step, the end) leaves both out of sys.modules (common/ imports neither)."""
+    assert one_minibatch.calls(script, "recompute")["imported"] == []
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -8,11 +8,12 @@ SCRIPT: grpo.py or a sibling (tests/conftest.py SCRIPTS).
 record: the sampler's mu is perturbed (a seeded +-1 nat per token, as tests/same_numbers.py does) so that the
 rollout correction's weights are not 1, and every call of the script's policy_loss and of Corrections.weights is
 recorded: the weights and normalizers the loss received (those of its arguments the script's loss has), the loss it
-returned, the weights the correction computed (scripts with the rollout corrections).
+returned, the weights the correction computed (scripts with the rollout corrections); and which of the optional
+features (exact.py, reward_model.py) the run imported.
 fixed: every rank's sampler answers each prompt with responses that depend on the prompt alone (not on the rank, the
 seed or the weights), with a fixed mu, so that 1 rank and N ranks train on the same global batch.
 each: the runs one after the other in this process (one start-up for all), step 2's recompute skipped as --exact
-skips it (common.exact.recompute_due); per run, how often the script loaded a reference (load_reference) and, in order,
+skips it (common.cli.recompute_due); per run, how often the script loaded a reference (load_reference) and, in order,
 each step-3 forward's micro-batches: the trainer's recompute ("old") and the reference's ("ref", the call without
 stats)."""
 import importlib
@@ -29,8 +30,8 @@ os.chdir(ROOT)
 
 import torch  # noqa: E402
 
+import common.cli  # noqa: E402
 import common.dist  # noqa: E402
-import common.exact  # noqa: E402
 import common.hf_sampler  # noqa: E402
 import common.logprobs  # noqa: E402
 import corrections  # noqa: E402
@@ -77,6 +78,8 @@ def record(out_json: str, script: str, argv: list[str]) -> None:
     mod.policy_loss, corrections.Corrections.weights = loss, weights
     mod.main(mod.parse_args(argv))
     common.dist.cleanup_distributed()
+    # the optional features the run imported (the scripts import exact.py and reward_model.py only when asked)
+    calls["imported"] = sorted(name for name in ("exact", "reward_model") if name in sys.modules)
     with open(out_json, "w") as f:
         json.dump(calls, f)
 
@@ -131,7 +134,7 @@ def fixed(script: str, argv: list[str]) -> None:
 
 
 def each(out_json: str, runs: list[str]) -> None:
-    common.exact.recompute_due = lambda infra, step, first_step: step != 2  # as --exact skips it, on step 2
+    common.cli.recompute_due = lambda infra, step, first_step: step != 2  # as --exact skips it, on step 2
     recompute, out = common.logprobs.recompute_logprobs, []
 
     signature = inspect.signature(recompute)

@@ -33,6 +33,8 @@ from transformers import AutoConfig
 
 from common.dist import print0
 from common.fsdp import decoder_layers
+from common.precision import precision_name, resolve_precisions
+from common.sampler import resolve_sampler
 
 PINNED_VLLM = "0.25.1"
 MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -61,6 +63,28 @@ class ExactPlan:
     rmsnorm_patch: bool = True  # vLLM's fused add + RMSNorm replaced by the fixed-order version (install_rmsnorm_patch)
     fused: bool = True  # the trainer's q/k/v and gate/up as one matmul on concatenated weights, as vLLM's layers run
     paged: bool = True  # the trainer's attention reads K/V from pages of the engine's block size, as vLLM's prefill
+
+    # the hooks that common/vllm_sampler.py calls on the plan it is given (common/ imports no feature), in this order
+    def prepare_process(self) -> None:
+        """Before anything imports vllm: batch-invariant mode for the whole process (prepare_vllm_process)."""
+        prepare_vllm_process(self)
+
+    def engine_args(self) -> dict:
+        """After vllm is imported, before the engine builds (and traces) the model: the RMSNorm patch when the plan
+        asks for it, and the engine's keyword arguments (engine_kwargs)."""
+        if self.rmsnorm_patch:
+            install_rmsnorm_patch()
+        return engine_kwargs(self)
+
+    def engine_started(self, llm, model_runner) -> dict:
+        """What the trainer's exact forward needs from the started engine (engine_facts), verified against the plan."""
+        facts = engine_facts(llm, model_runner)
+        verify_engine(self, facts)
+        return facts
+
+    def attach(self, model, sampler) -> None:
+        """A script's call after make_sampler: the trainer's forward on that sampler's engine (attach)."""
+        attach(model, sampler)
 
 
 def check_exact(config: dict | None, *, train_precision: str, rollout_precision: str, sampler: str, vllm_tp: int,
@@ -137,6 +161,15 @@ def exact_facts() -> tuple[str | None, tuple[int, int] | None]:
                 pass
     capability = tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
     return version, capability
+
+
+def check_run(args) -> ExactPlan:
+    """--exact in a script, before any model loads: plan_for_run with the run's flags (args.model, the precisions,
+    --sampler, --vllm-tp, --top-p); a one-line ValueError where exact mode is not supported. The script hands the
+    plan to make_sampler."""
+    train, rollout = resolve_precisions(args.precision, args.train_precision, args.rollout_precision)
+    return plan_for_run(args.model, train_precision=precision_name(train), rollout_precision=precision_name(rollout),
+                        sampler=resolve_sampler(args.infra.sampler)[0], vllm_tp=args.infra.vllm_tp, top_p=args.top_p)
 
 
 def plan_for_run(model_path: str | None, **settings) -> ExactPlan:
@@ -618,7 +651,7 @@ def prepare_vllm_process(plan: ExactPlan) -> None:
     imported = [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
     if imported and os.environ.get(BATCH_INVARIANT_ENV) != "1":
         raise RuntimeError("--exact: vLLM was imported before its batch-invariant mode was switched on; call "
-                           "common.exact.prepare_vllm_process before anything imports vllm")
+                           "exact.prepare_vllm_process before anything imports vllm")
     global _trainer_blas_settings
     if _trainer_blas_settings is None:
         _trainer_blas_settings = blas_settings()
@@ -843,11 +876,3 @@ def attach(model, sampler) -> None:
     if plan is not None:
         ex = enable_exact(model, plan, sampler.exact_facts)
         print0(f"[exact] {describe(plan, sampler.exact_facts)}; the trainer's backward: cuBLAS ({ex.blas})")
-
-
-def recompute_due(infra, step: int, first_step: int) -> bool:
-    """Whether step 3's recompute forward runs at `step`: always, except with --exact, where the trainer's old_logp is
-    the sampler's mu bit for bit, so the recompute runs only on the run's (or the resume's) first step and every
-    --exact-check-every steps, to count the unequal tokens over the whole batch; on the other steps old_logp is mu,
-    and the first mini-batch's forward, before any update, still counts them on its tokens."""
-    return not infra.exact or step == first_step or step % infra.exact_check_every == 0

@@ -25,12 +25,10 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import tyro
 from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -38,6 +36,7 @@ from common.data import is_chat
 from common.logprobs import split_microbatches
 from common.precision import DTYPES
 from common.preflight import check_model_dir
+from common.rewards import RewardModelFlags, check_reward_flags
 
 INFO_FILE = "reward_model.json"  # written by tasks/reward_model.py beside the weights: the format it was trained on
 # where a score is read (score_token): "last", the input's last token (tasks/reward_model.py trains there);
@@ -45,41 +44,12 @@ INFO_FILE = "reward_model.json"  # written by tasks/reward_model.py beside the w
 SCORE_TOKENS = ("last", "last_non_pad")
 
 
-@dataclass
-class RewardModelFlags:
-    """The learned-reward flags, one Args field (`learned_reward`) of the scripts: flat on the command line
-    (--reward-model, --rm-*) and in config.json."""
-    reward_model: str | None = None
-    """a reward model directory (Hugging Face AutoModelForSequenceClassification, one label; tasks/reward_model.py
-    trains one): its score of prompt + response is the reward that trains, and --reward only measures
-    (train/accuracy, eval/*). None: --reward trains"""
-    rm_precision: Literal["fp16", "bf16", "fp32"] | None = None
-    """the reward model's compute precision (default: the train precision)"""
-    rm_batch_tokens: int = 32768
-    """token budget of one scoring forward of the reward model (rows x longest row, padding included)"""
-    rm_normalize: bool = False
-    """normalize each score by the running mean and std of every score so far (all ranks, this step's included):
-    (s - mean) / sqrt(var + 1e-8); the running state goes into the checkpoints"""
-    rm_clip: float = 0.0
-    """clip the (normalized) score to [-rm_clip, rm_clip]; 0: no clip"""
-
-
-# an Args field's type: the flags are --reward-model and --rm-*, not --learned-reward.reward-model
-RewardModelField = tyro.conf.OmitArgPrefixes[RewardModelFlags]
-
-
 def check_reward_model(flags: RewardModelFlags, prompt_template: str) -> str | None:
     """Everything about --reward-model that can be checked before a model loads; raises a one-line ValueError or
     FileNotFoundError. Returns the input format the run will use ('chat' or 'raw'), None without a reward model."""
     path = flags.reward_model
     if path is None:
-        default = RewardModelFlags()
-        changed = [name for name, on in (("--rm-precision", flags.rm_precision is not None),
-                                         ("--rm-batch-tokens", flags.rm_batch_tokens != default.rm_batch_tokens),
-                                         ("--rm-normalize", flags.rm_normalize), ("--rm-clip", flags.rm_clip != 0))
-                   if on]
-        if changed:
-            raise ValueError(f"{', '.join(changed)}: no --reward-model to apply to")
+        check_reward_flags(flags)
         return None
     if flags.rm_batch_tokens < 1:
         raise ValueError(f"--rm-batch-tokens {flags.rm_batch_tokens}: must be at least 1")
@@ -336,31 +306,22 @@ class RewardModel:
         return line
 
 
-class RunningMeanStd:
-    """Mean and variance of every value seen so far, merged a batch at a time (Chan, Golub and LeVeque's parallel
-    update, "Updating formulae and a pairwise algorithm for computing sample variances", 1979), in float64."""
+# ----------------------------------------------------------------------------------------------------------------
+# what a script uses
 
-    def __init__(self):
-        self.count, self.mean, self.m2 = 0.0, 0.0, 0.0  # m2: sum of squared deviations from the mean
 
-    def update(self, n: float, total: float, total_sq: float) -> None:
-        """Merge a batch given by its count, sum and sum of squares (sums over all ranks: common.dist.reduce_stats)."""
-        if n <= 0:
-            return
-        mean_b = total / n
-        m2_b = max(total_sq - n * mean_b ** 2, 0.0)
-        count = self.count + n
-        delta = mean_b - self.mean
-        self.mean += delta * n / count
-        self.m2 += m2_b + delta ** 2 * self.count * n / count
-        self.count = count
+@dataclass(frozen=True)
+class Learned:
+    """A checked --reward-model: what common.rewards.Reward loads at setup (it calls load; common/ imports no
+    reward_model.py)."""
+    flags: RewardModelFlags
+    fmt: str  # the input format, 'chat' or 'raw' (check_reward_model)
 
-    @property
-    def std(self) -> float:
-        return math.sqrt(self.m2 / self.count) if self.count else 0.0
+    def load(self, precision: str, device) -> RewardModel:
+        return RewardModel(self.flags.reward_model, self.fmt, precision, device, self.flags.rm_batch_tokens)
 
-    def state_dict(self) -> dict:
-        return {"count": self.count, "mean": self.mean, "m2": self.m2}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.count, self.mean, self.m2 = float(state["count"]), float(state["mean"]), float(state["m2"])
+def check_run(args) -> Learned:
+    """--reward-model in a script, before any model loads: check_reward_model of its flags (args.learned_reward) and
+    args.prompt_template; the script hands the result to common.rewards.Reward."""
+    return Learned(args.learned_reward, check_reward_model(args.learned_reward, args.prompt_template))
