@@ -3,7 +3,7 @@
   exact   exact_match_reward: the whole stripped response equals the answer
   number  number_reward: the final number of the response (GSM8K style), compared numerically
   module:function   a plug-in fn(response, answer) -> float (sys.path, then the current directory)
-The math check and the plug-ins run in time- and memory-bounded worker processes (workers/reward_pool.py). A call that
+The math check and the plug-ins run in time- and memory-bounded worker processes (common/reward_pool.py). A call that
 raises, runs past its time limit or returns anything but a finite number scores 0 and counts as a failure
 (train/reward_failures, eval/<name>/reward_failures); a step whose every check failed stops the run.
 Reward (the end of this file) is a step's reward: the rule's, or with --reward-model a reward model's score
@@ -26,7 +26,7 @@ from common import exits
 from common.data import prompt_text
 from common.dist import print0, reduce_stats
 from common.precision import TrainingFault
-from workers import reward_pool
+from common import reward_pool
 
 exits.at_hard_exit(reward_pool.kill_now)  # a second Ctrl-C ends the process at once: its reward workers with it
 

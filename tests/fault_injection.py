@@ -154,15 +154,15 @@ elif mode == "log-enospc":
         return write_row(file, data)
     common.logger.write_row = full_disk_row
 elif mode == "reward-kill-sigint":  # a second Ctrl-C as the first one's handling kills the reward workers
-    import workers.reward_pool
-    kill_all = workers.reward_pool.kill_all
+    import common.reward_pool
+    kill_all = common.reward_pool.kill_all
     def kill_all_interrupted():  # noqa: E306
         os.kill(os.getpid(), signal.SIGINT)
         return kill_all()
-    workers.reward_pool.kill_all = kill_all_interrupted
+    common.reward_pool.kill_all = kill_all_interrupted
 elif mode == "import-timeout":
-    import workers.reward_pool
-    workers.reward_pool.IMPORT_TIMEOUT_S = 2.0
+    import common.reward_pool
+    common.reward_pool.IMPORT_TIMEOUT_S = 2.0
 else:
     raise SystemExit(f"unknown mode {mode!r}")
 

@@ -132,7 +132,7 @@ def test_reward_failures_score_zero_and_are_counted():
 
 
 def test_math_timeout_counts_as_a_failure(monkeypatch):
-    from workers import reward_pool
+    from common import reward_pool
     monkeypatch.setattr(reward_pool, "check_math", lambda pred, gold, timeout_s: None)  # the worker did not answer in time
     assert score_rollout([r"\boxed{2^{2^{2^{99}}}}"], ["3"], [True], "math") == ([0.0], 1)
 

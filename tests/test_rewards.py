@@ -11,7 +11,7 @@ from fractions import Fraction
 import pytest
 
 from common import rewards
-from workers import reward_pool
+from common import reward_pool
 from common.rewards import (REWARD_FNS, exact_match_reward, extract_boxed, extract_number, math_reward, number_reward,
                             score_responses, score_rollout)
 
@@ -435,7 +435,7 @@ def test_grpo_trains_on_a_plugin_reward(tmp_path):
 
 
 def test_the_worker_pool_is_apart_from_the_reward_semantics():
-    """workers/reward_pool.py runs as a worker script with nothing of the repository on its path: it never imports
+    """common/reward_pool.py runs as a worker script with nothing of the repository on its path: it never imports
     common/rewards.py (which imports it)."""
-    code = "import sys; import workers.reward_pool; assert 'common.rewards' not in sys.modules"
+    code = "import sys; import common.reward_pool; assert 'common.rewards' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)) or ".")

@@ -76,7 +76,7 @@ def check_plugin(spec: str) -> None:
 
 def _import_timeout(spec: str) -> RewardFunctionError:
     return RewardFunctionError("TimeoutError", f"importing {spec.split(':')[0]} did not finish within "
-                               f"{IMPORT_TIMEOUT_S:g} s (IMPORT_TIMEOUT_S in workers/reward_pool.py): does the "
+                               f"{IMPORT_TIMEOUT_S:g} s (IMPORT_TIMEOUT_S in common/reward_pool.py): does the "
                                "module wait on something when imported?")
 
 
@@ -109,7 +109,7 @@ _live_lock = threading.Lock()
 
 
 def _start_worker() -> subprocess.Popen:
-    # -P: workers/ is not on the worker's sys.path, where a file named like a stdlib module would shadow it; stderr is
+    # -P: common/ is not on the worker's sys.path, where a file named like a stdlib module would shadow it; stderr is
     # inherited, so a crash traceback shows up in the run's log
     proc = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), "--worker"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, bufsize=1)
