@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import time
+from functools import partial
 
 import filelock
 import torch.distributed as dist
@@ -114,7 +115,7 @@ class RunDir:
         self.checkpoints = os.path.join(path, "checkpoints")
         self.lock = claim_run_dir(path, infra.resume, infra.overwrite)  # rank 0 holds it for the run
         check_shared_dir(path, device)  # every rank writes its shards into the checkpoints: fail now, not at a save
-        exits.progress.hint = None if infra.overwrite else lambda: resume_hint(self.checkpoints)  # (on Ctrl-C)
+        exits.progress.hint = None if infra.overwrite else partial(resume_hint, self.checkpoints)  # (Ctrl-C)
         self.resume_dir = find_resume_dir(infra.resume, self.checkpoints) if infra.resume else None
         if self.resume_dir:  # the settings that define the run must be the checkpoint's (--accept-changes: on purpose)
             check_resume_config(self.resume_dir, path, config, infra.accept_changes)
@@ -134,7 +135,7 @@ class RunDir:
                 except OSError as e:
                     error = f"--resume: cannot move the checkpoints after step {step} aside in {self.checkpoints}: {e}"
             _raise_on_every_rank(error)
-        exits.progress.hint = lambda: resume_hint(self.checkpoints)
+        exits.progress.hint = partial(resume_hint, self.checkpoints)  # (not a lambda: it would keep self, the lock)
 
     def save(self, step: int, tokenizer, parts: dict, sampler) -> str:
         """Collective: save_checkpoint of every part and stream."""
