@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from common.exits import SigintDeferred
 from common.fsdp import full_state_names, iter_full_state
-from common.preflight import check_model_dir
+from common.preflight import check_model_dir, not_json
 from common.precision import TrainingFault
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -351,12 +351,8 @@ def read_json(path: str, what: str = ""):
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{what + ': ' if what else ''}{path} is damaged: not JSON ({e.msg} at line {e.lineno} "
-                         f"column {e.colno})") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{what + ': ' if what else ''}{path} is damaged: not UTF-8 text (byte "
-                         f"{e.object[e.start]:#04x} at offset {e.start})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what + ': ' if what else ''}{path} is damaged: {not_json(e)}") from None
 
 
 @contextlib.contextmanager

@@ -139,10 +139,6 @@ def with_values(obj, values: dict):
 # checks before any model loads
 
 
-def _finite(x):
-    return math.isfinite(x)
-
-
 # (valid(value), what is valid) of every flag that more than one script has; a script's own flags, and another range
 # for a shared one, go to check_ranges from its validate (an algorithm's rule too: --group-size at least 2 where the
 # baseline is the group's mean is in the scripts that have that baseline)
@@ -153,21 +149,21 @@ RANGES = {
         "exact_check_every")},
     **{name: (lambda x: x >= 0, "at least 0") for name in (
         "seed", "max_skipped_steps", "eval_every", "eval_max_problems", "save_every", "keep_last")},
-    "temperature": (lambda x: _finite(x) and x > 0, "finite and > 0"),
-    "lr": (lambda x: _finite(x) and x > 0, "finite and > 0"),
+    "temperature": (lambda x: math.isfinite(x) and x > 0, "finite and > 0"),
+    "lr": (lambda x: math.isfinite(x) and x > 0, "finite and > 0"),
     "adam_betas": (lambda b: all(0 <= x < 1 for x in b), "two numbers in [0, 1)"),
-    "weight_decay": (lambda x: _finite(x) and x >= 0, "finite and >= 0"),
+    "weight_decay": (lambda x: math.isfinite(x) and x >= 0, "finite and >= 0"),
     "max_grad_norm": (lambda x: x > 0, "> 0 (inf: no clipping)"),
     "eps_low": (lambda x: 0 <= x < 1, "in [0, 1)"),
-    "eps_high": (lambda x: _finite(x) and x >= 0, "finite and >= 0"),
-    "is_threshold": (lambda x: _finite(x) and x > 0, "finite and > 0"),
-    "truncated_reward": (_finite, "finite"),
-    "kl_warn_factor": (lambda x: _finite(x) and x >= 0, "finite and >= 0 (0: off)"),
-    "kl_coef": (lambda x: _finite(x) and x >= 0, "finite and >= 0 (0: no KL term)"),
-    "eval_temperature": (lambda x: _finite(x) and x >= 0, "finite and >= 0 (0: greedy)"),
+    "eps_high": (lambda x: math.isfinite(x) and x >= 0, "finite and >= 0"),
+    "is_threshold": (lambda x: math.isfinite(x) and x > 0, "finite and > 0"),
+    "truncated_reward": (math.isfinite, "finite"),
+    "kl_warn_factor": (lambda x: math.isfinite(x) and x >= 0, "finite and >= 0 (0: off)"),
+    "kl_coef": (lambda x: math.isfinite(x) and x >= 0, "finite and >= 0 (0: no KL term)"),
+    "eval_temperature": (lambda x: math.isfinite(x) and x >= 0, "finite and >= 0 (0: greedy)"),
     "eval_top_p": (lambda x: 0 < x <= 1, "in (0, 1]"),
     "vllm_gpu_memory_utilization": (lambda x: 0 < x <= 1, "in (0, 1]"),
-    "vllm_kv_cache_gib": (lambda x: _finite(x) and x >= 0, "finite and >= 0 (0: measured)"),
+    "vllm_kv_cache_gib": (lambda x: math.isfinite(x) and x >= 0, "finite and >= 0 (0: measured)"),
 }
 
 

@@ -94,16 +94,3 @@ def reduce_stats(values: dict, op: str = "sum", device=None) -> dict:
         dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
     return dict(zip(keys, t.tolist()))
 
-
-def phase_memory(device: torch.device, phase: str | None = None) -> dict:
-    """GPU memory of a phase of the step, as metrics: PyTorch's peak allocation since the previous call and the
-    device's memory in use at its end (what other allocators, vLLM's among them, hold included), GiB. Resets the
-    peak; without a phase it only resets. Nothing on CPU."""
-    if device.type != "cuda":
-        return {}
-    peak = torch.cuda.max_memory_allocated(device) / 2**30
-    torch.cuda.reset_peak_memory_stats(device)
-    if phase is None:
-        return {}
-    free, total = torch.cuda.mem_get_info(device)
-    return {f"mem/{phase}_peak_gib": peak, f"mem/{phase}_used_gib": (total - free) / 2**30}

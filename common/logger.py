@@ -34,7 +34,7 @@ class Logger:
         if enabled:
             try:
                 os.makedirs(run_dir, exist_ok=True)
-                self.config_path = record_config(run_dir, config, start_step)
+                record_config(run_dir, config, start_step)
                 self.path = os.path.join(run_dir, "metrics.jsonl")
                 self.file = open_metrics(self.path, start_step)
             except OSError as e:
@@ -115,9 +115,9 @@ def write_row(file, data: bytes) -> None:
         view = view[file.write(view):]
 
 
-def record_config(run_dir: str, config: dict, start_step: int) -> str:
-    """Write the run's settings, atomically, and return the file's path: config.json for a new run; for a run
-    resumed at step S, config_resume_<S>.json (a second resume at S: ..._2.json), never over another record."""
+def record_config(run_dir: str, config: dict, start_step: int) -> None:
+    """Write the run's settings, atomically: config.json for a new run; for a run resumed at step S,
+    config_resume_<S>.json (a second resume at S: ..._2.json), never over another record."""
     if start_step == 0:
         path = os.path.join(run_dir, "config.json")
     else:
@@ -132,7 +132,6 @@ def record_config(run_dir: str, config: dict, start_step: int) -> str:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return path
 
 
 CONFIG_RESUME = re.compile(r"^config_resume_(\d+)(?:_(\d+))?\.json$")  # the files record_config writes at a resume

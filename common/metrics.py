@@ -5,7 +5,6 @@ import math
 import time
 from contextlib import contextmanager
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -186,8 +185,3 @@ class MismatchMonitor:
         self.baseline = None if baseline is None else float(baseline)
         self.recent, self.warning = [float(kl) for kl in state["recent"]], bool(state["warning"])
 
-
-def mean_finite(values: list[float]) -> float:
-    """The mean of the finite values (a skipped fp16 step's gradient norm is inf), nan when there is none."""
-    finite = [v for v in values if np.isfinite(v)]
-    return float(np.mean(finite)) if finite else float("nan")

@@ -15,6 +15,14 @@ from common.fsdp import decoder_layers
 from common.logprobs import collate
 from common.precision import DTYPES, precision_name
 
+
+def not_json(e: json.JSONDecodeError | UnicodeDecodeError) -> str:
+    """Where a JSON file stops being JSON or UTF-8, for a message."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"not JSON ({e.msg} at line {e.lineno} column {e.colno})"
+    return f"not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})"
+
+
 def check_model_dir(path: str, flag: str = "--model") -> None:
     """Fail fast, before anything is loaded, on a model path that cannot be a Hugging Face model directory: the
     directory, its config.json, its tokenizer files, every JSON file of it parsed, its safetensors weights complete.
@@ -35,12 +43,8 @@ def check_model_dir(path: str, flag: str = "--model") -> None:
             try:
                 with open(os.path.join(path, name), encoding="utf-8") as f:
                     json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{flag} {path!r}: {name} is damaged: not JSON ({e.msg} at line {e.lineno} column "
-                                 f"{e.colno})") from None
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{flag} {path!r}: {name} is damaged: not UTF-8 text (byte {e.object[e.start]:#04x} "
-                                 f"at offset {e.start})") from None
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{flag} {path!r}: {name} is damaged: {not_json(e)}") from None
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:

@@ -338,18 +338,11 @@ class RunningMeanStd:
 
 
 class Reward:
-    """The reward of a step (step 2), built once at setup. Without a reward model, the rule (--reward: math, exact,
-    number, module:function) is the reward, a response cut at the length limit getting truncated_reward. With one
-    (`learned`: reward_model.py's Learned, from the script's check_run: its flags, and load(precision, device), a
-    scorer with score(prompts, responses) and describe(tokenizer)), its score of prompt + response trains and the rule only measures: train/accuracy and its companions are the rule's verdicts (a cut response
-    counts as wrong there), and evaluation, which the scripts give the rule, is unchanged. A score that is nan or inf,
-    or of an input longer than the reward model's positions, is a reward failure, counted as a rule's failed check.
-    A cut response (the reward model does not score it) and a failed one get the step's lowest reward (of every rank's
-    scored responses, after normalization and clipping), or truncated_reward when that is lower: never more than a
-    scored response, on the scale the rewards are on (with --rm-normalize a fixed value such as 0 would be the running
-    mean, no penalty at all); truncated_reward when nothing was scored. Each rank scores its own
-    responses; the score statistics take two small collectives a step, which also keep every rank's running mean and
-    std the same (--rm-normalize; state_dict goes into the checkpoints' trainer_state)."""
+    """The reward of a step (step 2), built once at setup: the rule (--reward), a response cut at the length limit
+    getting truncated_reward; or, with `learned` (reward_model.py's Learned: load(precision, device) gives a scorer
+    with score(prompts, responses) and describe(tokenizer)), the reward model's score, the rule only measuring
+    (train/accuracy; evaluation stays the rule's). A cut or failed response then gets the step's lowest reward over
+    all ranks, or truncated_reward when lower: docs/reward-models.md, "Using one: the flags"."""
 
     def __init__(self, kind: str, truncated_reward: float, tokenizer, device, progress: bool, learned=None,
                  template: str = "{problem}", precision: str = "fp32", probe: list[dict] = ()):

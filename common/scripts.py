@@ -4,10 +4,8 @@ in all of them without being named anywhere. The files' syntax is read; no scrip
 import ast
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def algorithm_scripts(root: str = ROOT) -> list[str]:
+def algorithm_scripts(root: str) -> list[str]:
     """The .py files at the top of `root` that define both main() and parse_args() at their top level, sorted by
     name (e.g. ["cispo.py", "grpo.py", ...]); a module of helpers or a tool under sanity/ is not one."""
     found = []
