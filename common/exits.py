@@ -3,8 +3,8 @@
 loop sets `exits.progress.step`, and its run directory `exits.progress.hint` (how to resume), which the line on
 Ctrl-C gives.
 
-A tool (sanity/, tasks/) ends the same way, with no step: `sys.exit(exits.run(lambda: main(parse_args()), __file__,
-steps=False))`, main()'s value its exit status (None: 0).
+A tool (sanity/, tasks/) ends the same way, with no step: `exits.run(lambda: main(parse_args()), __file__,
+steps=False)`; one whose main() returns its exit status ends with `sys.exit(exits.run(...))`.
 
 Ctrl-C: the first raises KeyboardInterrupt where the run is (inside a checkpoint save it is held until the save's
 next safe point, SigintDeferred, and counts as the first); a second, while the first is handled (threads joined, a

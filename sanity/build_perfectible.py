@@ -302,4 +302,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(exits.run(lambda: main(parse_args()), __file__, steps=False))
+    exits.run(lambda: main(parse_args()), __file__, steps=False)

@@ -569,4 +569,4 @@ def main(args: Args) -> list[dict]:
 
 
 if __name__ == "__main__":
-    sys.exit(exits.run(lambda: main(tyro.cli(Args)), __file__, steps=False))
+    exits.run(lambda: main(tyro.cli(Args)), __file__, steps=False)

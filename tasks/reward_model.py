@@ -556,4 +556,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(exits.run(lambda: main(tyro.cli(Args)), __file__, steps=False))
+    exits.run(lambda: main(tyro.cli(Args)), __file__, steps=False)
