@@ -3,6 +3,9 @@
 loop sets `exits.progress.step`, and its run directory `exits.progress.hint` (how to resume), which the line on
 Ctrl-C gives.
 
+A tool (sanity/, tasks/) ends the same way, with no step: `exits.run(lambda: main(parse_args()), __file__,
+steps=False)`; one whose main() returns its exit status ends with `sys.exit(exits.run(...))`.
+
 Ctrl-C: the first raises KeyboardInterrupt where the run is (inside a checkpoint save it is held until the save's
 next safe point, SigintDeferred, and counts as the first); a second, while the first is handled (threads joined, a
 save finishing, the clean-up at exit), ends the process at once with the same line and exit code 130, after the
@@ -14,14 +17,12 @@ import signal
 import sys
 import threading
 
-from common.precision import TrainingFault
-
 EXIT_BAD_INPUT, EXIT_FAULT, EXIT_INTERRUPTED = 2, 3, 130  # 130 = 128 + SIGINT, as a shell reports a Ctrl-C'd process
 
 
 class Progress:
     """Where the run is, for the line on Ctrl-C."""
-    step = 0  # the step in progress (0: training had not begun)
+    step = 0  # the step in progress (0: training had not begun; None: a tool, which has no steps)
     hint = None  # () -> str, how to go on (common/rundir.py: from which checkpoint to resume); None: not known yet
 
 
@@ -31,7 +32,8 @@ _hard_exit_calls = []  # what a second Ctrl-C still does before the process ends
 
 
 def interrupted_line(script: str) -> str:
-    return f"{script}: interrupted at step {progress.step}" + (progress.hint() if progress.hint else "")
+    at = "" if progress.step is None else f" at step {progress.step}"
+    return f"{script}: interrupted{at}" + (progress.hint() if progress.hint else "")
 
 
 def _say_interrupted() -> None:
@@ -66,14 +68,16 @@ def _on_sigint(signum, frame):
     os._exit(EXIT_INTERRUPTED)
 
 
-def run(main, script_file: str) -> None:
-    """Run main() as a script's __main__: bad input (ValueError, FileNotFoundError, PermissionError) is one line and
-    exit code 2, a TrainingFault one line and exit code 3, Ctrl-C one line and exit code 130; anything else is a bug
-    or an environment problem and keeps its traceback (exit code 1). DEBUG=1: every traceback. After main() returns,
-    the process group is freed here (main's model holds it)."""
-    from common.dist import cleanup_distributed
+def run(main, script_file: str, steps: bool = True, bad_input: tuple = ()):
+    """Run main() as a script's __main__ and return its value: bad input (ValueError, FileNotFoundError,
+    PermissionError, and the types in bad_input) is one line and exit code 2, a TrainingFault one line and exit code 3,
+    Ctrl-C one line and exit code 130 (steps=False: a tool's, which names no step); anything else is a bug or an
+    environment problem and keeps its traceback (exit code 1). DEBUG=1: every traceback. After main() returns, the
+    process group is freed here (main's model holds it)."""
     global _script
     _script = os.path.basename(script_file)
+    if not steps:
+        progress.step = None
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _on_sigint)
         # once the interpreter's own clean-up begins (atexit: workers killed, ...), a Ctrl-C changes nothing: the exit
@@ -81,16 +85,25 @@ def run(main, script_file: str) -> None:
         # instead of letting it exit with its code
         atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
     try:
-        main()
-    except (TrainingFault, ValueError, FileNotFoundError, PermissionError, KeyboardInterrupt) as e:
+        value = main()
+    except (*_faults(), ValueError, FileNotFoundError, PermissionError, KeyboardInterrupt, *bad_input) as e:
         if os.environ.get("DEBUG"):
             raise
         if isinstance(e, KeyboardInterrupt):
             _say_interrupted()
             sys.exit(EXIT_INTERRUPTED)
         print(f"{_script}: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_FAULT if isinstance(e, TrainingFault) else EXIT_BAD_INPUT)  # (a TrainingFault: a RuntimeError)
-    cleanup_distributed()
+        sys.exit(EXIT_FAULT if isinstance(e, _faults()) else EXIT_BAD_INPUT)  # (a TrainingFault: a RuntimeError)
+    if "common.dist" in sys.modules:  # (a process group is set up there only)
+        sys.modules["common.dist"].cleanup_distributed()
+    return value
+
+
+def _faults() -> tuple:
+    """(TrainingFault,) once main() has imported it, else (): none can have been raised. A tool that never imports
+    common/precision.py is spared torch's import (seconds) by ending through run()."""
+    precision = sys.modules.get("common.precision")
+    return (precision.TrainingFault,) if precision else ()
 
 
 class SigintDeferred:

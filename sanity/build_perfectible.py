@@ -39,6 +39,7 @@ if ROOT not in sys.path:  # `python sanity/build_perfectible.py` from anywhere
 
 import numpy as np
 
+from common import exits
 from common.cli import config_changes, parse
 from common.dist import print0
 
@@ -301,10 +302,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main(parse_args())
-    except (ValueError, FileNotFoundError, PermissionError) as e:  # bad input: one line, no traceback
-        if os.environ.get("DEBUG"):
-            raise
-        print(f"{os.path.basename(__file__)}: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exits.run(lambda: main(parse_args()), __file__, steps=False)

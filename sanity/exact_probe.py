@@ -46,6 +46,8 @@ if ROOT not in sys.path:
 import torch
 import tyro
 
+from common import exits
+
 VARIANTS = {"kernels": None, "graphs-v2": {}, "eager-v2": {"engine": "eager"},
             "compiled-v2": {"engine": "compiled"}, "eager-v2-nopatch": {"engine": "eager", "rmsnorm_patch": False},
             "eager-v1": {"engine": "eager", "runner": "v1"}}
@@ -567,10 +569,4 @@ def main(args: Args) -> list[dict]:
 
 
 if __name__ == "__main__":
-    try:
-        main(tyro.cli(Args))
-    except (ValueError, FileNotFoundError, PermissionError) as e:
-        if os.environ.get("DEBUG"):
-            raise
-        print(f"{os.path.basename(__file__)}: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exits.run(lambda: main(tyro.cli(Args)), __file__, steps=False)

@@ -38,6 +38,7 @@ if ROOT not in sys.path:  # `python sanity/mismatch_analysis.py` from anywhere
 import numpy as np
 import torch
 
+from common import exits
 from common.cli import config_changes, parse
 from common.dist import print0
 
@@ -324,10 +325,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main(parse_args())
-    except (ValueError, FileNotFoundError, PermissionError) as e:  # bad input: one line, no traceback
-        if os.environ.get("DEBUG"):
-            raise
-        print(f"{os.path.basename(__file__)}: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exits.run(lambda: main(parse_args()), __file__, steps=False)

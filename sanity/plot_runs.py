@@ -17,6 +17,7 @@ if ROOT not in sys.path:  # `python sanity/plot_runs.py` from anywhere
 
 import tyro
 
+from common import exits
 from sanity.report import LOG_KEYS, plot_curves, read_metrics
 
 
@@ -66,10 +67,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(tyro.cli(Args))
-    except (ValueError, FileNotFoundError, PermissionError) as e:  # bad input: one line, no traceback
-        if os.environ.get("DEBUG"):
-            raise
-        print(f"{os.path.basename(__file__)}: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exits.run(lambda: main(tyro.cli(Args)), __file__, steps=False)

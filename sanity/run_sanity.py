@@ -42,6 +42,7 @@ if ROOT not in sys.path:  # `python sanity/run_sanity.py` from anywhere
     sys.path.insert(0, ROOT)
 
 
+from common import exits
 from common.cli import config_changes, parse
 from common.scripts import algorithm_scripts
 from sanity.report import fmt, md_table, pass_check, plot_curves, read_metrics
@@ -469,10 +470,4 @@ def main(args: Args, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(parse_args(), sys.argv[1:]))
-    except (ValueError, FileNotFoundError, PermissionError) as e:  # bad input: one line, no traceback
-        if os.environ.get("DEBUG"):
-            raise
-        print(f"{os.path.basename(__file__)}: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(exits.run(lambda: main(parse_args(), sys.argv[1:]), __file__, steps=False))

@@ -27,6 +27,8 @@ if ROOT not in sys.path:
 
 import tyro
 
+from common import exits
+
 
 @dataclass
 class Args:
@@ -166,10 +168,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main(tyro.cli(Args))
-    except (ValueError, FileNotFoundError, PermissionError) as e:  # bad input: one line, no traceback
-        if os.environ.get("DEBUG"):
-            raise
-        print(f"{os.path.basename(__file__)}: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exits.run(lambda: main(tyro.cli(Args)), __file__, steps=False)
