@@ -100,6 +100,7 @@ def test_a_sigint_inside_a_deferred_section_waits_and_a_second_one_acts():
     code = textwrap.dedent("""
         import os, signal
         from common.exits import SigintDeferred
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever this process inherited
         with SigintDeferred() as d:
             signal.raise_signal(signal.SIGINT)  # held (raise_signal: to this thread, handled before it returns; a
             assert d.pending  # kill() of our pid may go to another thread, as torch's, and be handled later)
