@@ -586,8 +586,9 @@ class ExactForward:
         logp_N = _TokenLogprob.apply(x, targets_N, self.k.token_logprobs)
         if not with_entropy:
             return logp_N, None
-        lp = torch.log_softmax(x, dim=-1)
-        return logp_N, -(lp.exp() * lp).sum(-1)
+        with torch.no_grad():  # a metric without a graph (common/logprobs.py _chunk_logprobs says why)
+            lp = torch.log_softmax(x, dim=-1)
+            return logp_N, -(lp.exp() * lp).sum(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------

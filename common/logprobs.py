@@ -12,7 +12,8 @@ def _chunk_logprobs(hidden_NH, weight_VH, targets_N, temperature: float, with_en
     logp_N = logp_NV.gather(-1, targets_N[:, None]).squeeze(-1)
     if not with_entropy:
         return logp_N, None
-    entropy_N = -(logp_NV.exp() * logp_NV).sum(-1)
+    with torch.no_grad():  # a metric, never differentiated: with a graph, the checkpoint's recompute would keep each
+        entropy_N = -(logp_NV.exp() * logp_NV).sum(-1)  # chunk's fp32 log-softmax alive until the backward ends
     return logp_N, entropy_N
 
 

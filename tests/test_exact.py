@@ -370,6 +370,7 @@ def test_exact_forward_equals_the_default_forward_up_to_rounding(tiny_model_dir,
         model.train()
         logp, ent = model(*batch, 0.7, 5, with_entropy=True)
         (logp.sum() / 10).backward()
+        runs[mode + "_ent_grad"] = ent.requires_grad
         runs[mode] = (logp.detach(), ent.detach(),
                       torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()]))
     n = int(batch[2].sum())
@@ -380,6 +381,7 @@ def test_exact_forward_equals_the_default_forward_up_to_rounding(tiny_model_dir,
     assert_close_to_rounding(g1, g0, bwd)
     assert torch.equal(lp2, lp0) and torch.equal(g2, g0)
     assert (lp1[~batch[2]] == 0).all() and g1.abs().sum() > 0
+    assert not runs["exact_ent_grad"]  # the entropy: a metric without a graph (test_logprobs says why)
 
 
 # ---------------------------------------------------------------------------------------------------------------
