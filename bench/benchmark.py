@@ -16,7 +16,9 @@ are common.hf_sampler.HFSampler and common.vllm_sampler.VLLMSampler; the weight 
   rl_step         grpo.py for a few steps: time per phase from metrics.jsonl, on the random model and synthetic
                   prompts or on a real model and dataset (--rl-model, --rl-dataset); --rl-runs runs it several times
                   one after the other (other flags, or an older checkout of the code: before/after);
-                  --rl-force-len samples every response to --rl-max-response-len (bench/forced_length.py)
+                  --rl-force-len samples every response to --rl-max-response-len (bench/forced_length.py);
+                  --rl-nproc 1 2 4 runs each on 1, 2 and 4 GPUs (torchrun), the same global batch, with the
+                  recompilations torch.compile logs (which step, which guard) and the speed-up over the first run
   vllm_generate   the same vLLM engine standalone on grpo.py's first batches: llm.generate against
                   VLLMSampler.generate, and sleep/wake at level 1 (what rl_step's sampling phase should come close to)
   (rl_step and vllm_generate are not in the default set: they take minutes)
@@ -138,6 +140,11 @@ def parse_args(argv=None):
     ap.add_argument("--rl-force-len", action="store_true",
                     help="rl_step: every response sampled to --rl-max-response-len (vLLM's ignore_eos, through "
                          "bench/forced_length.py): the step's worst case; vLLM only")
+    ap.add_argument("--rl-nproc", type=int, nargs="+", default=[1], metavar="N",
+                    help="rl_step: every run on each of these numbers of GPUs of this host, one after the other "
+                         "(N > 1 through torchrun --standalone; the same global batch)")
+    ap.add_argument("--rl-skip", type=int, default=1,
+                    help="rl_step: the first steps left out of the means (they carry compilation and graph capture)")
     ap.add_argument("--rl-runs", nargs="+", default=["grpo:"], metavar="LABEL[@DIR]:[ARGS]",
                     help="rl_step's runs, one after the other: a label, optionally @ the directory of another checkout "
                          "of this code to run grpo.py from (e.g. an older commit: before/after), then ':' and extra "
@@ -155,6 +162,8 @@ def parse_args(argv=None):
     args.only = args.only.split(",")
     args.sampler_variants = args.sampler_variants.split(",")
     args.rl_runs = [parse_rl_run(r, ap) for r in args.rl_runs]
+    if min(args.rl_nproc) < 1 or args.rl_skip < 0:
+        ap.error("--rl-nproc takes numbers of GPUs >= 1, --rl-skip a number of steps >= 0")
     if args.rl_force_len and args.rl_sampler != "vllm":
         ap.error("--rl-force-len forces the responses' length through vLLM: it goes with --rl-sampler vllm")
     for name, allowed in ((args.only, ALL_SECTIONS), (args.sampler_variants, SAMPLER_VARIANTS),
@@ -635,11 +644,12 @@ def sync_seconds(sampler, trainer, dtype, device) -> float:
                for _ in range(3)) / 3
 
 
-def stream(cmd: list[str], cwd: str, on_line) -> tuple[int, list[str]]:
-    """Runs cmd (without torchrun's variables: it is a process group of its own), calling on_line on each line of its
-    output as it comes. Returns (its exit status, its last 8 lines)."""
+def stream(cmd: list[str], cwd: str, on_line, env_default: dict | None = None) -> tuple[int, list[str]]:
+    """Runs cmd (without torchrun's variables: it is a process group of its own; with `env_default`'s variables where
+    unset), calling on_line on each line of its output as it comes. Returns (its exit status, its last 8 lines)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT")}
+    env = {**(env_default or {}), **env}
     p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail = []
     for line in p.stdout:
@@ -765,11 +775,12 @@ def rl_task(args, model_dir) -> tuple[str, str]:
 
 
 def bench_rl_step(res: Results, args, model_dir):
-    """grpo.py for a few steps per --rl-runs entry, one after the other on the same GPU, then time/* (and mem/*,
-    perf/*) per step from its metrics.jsonl. Runs from another checkout (LABEL@DIR) use that code: a before/after
-    comparison in one benchmark run."""
+    """grpo.py for a few steps per --rl-runs entry and --rl-nproc count, one after the other on the same GPUs, then
+    time/* (and mem/*, perf/*: rank 0's) per step from its metrics.jsonl, and torch.compile's recompilations from its
+    log (TORCH_LOGS=recompiles: at which step, and the guard that failed, e.g. a new padded length). Runs from another
+    checkout (LABEL@DIR) use that code: a before/after comparison in one benchmark run."""
     model, data = rl_task(args, model_dir)
-    res.start("rl_step", {"runs": []})
+    res.start("rl_step", {"runs": [], "skip": args.rl_skip})
     keep = ("step", "time/", "mem/", "perf/", "train/response_len_mean", "train/truncated_frac", "mismatch/kl_k3",
             "mismatch/unequal_tokens")
     flags = ["--model", model, "--dataset", data, "--sampler", args.rl_sampler, "--num-steps", str(args.rl_steps),
@@ -777,17 +788,20 @@ def bench_rl_step(res: Results, args, model_dir):
              "--max-response-len", str(args.rl_max_response_len), "--max-prompt-len", str(args.rl_max_prompt_len),
              "--eval-every", "0", "--save-every", "0", "--precision", args.precisions[0], "--reward", args.rl_reward,
              "--prompt-template", args.rl_prompt_template, "--seed", str(args.seed)]
-    for run in args.rl_runs:
+    for run, nproc in [(run, n) for run in args.rl_runs for n in args.rl_nproc]:
         work = tempfile.mkdtemp(prefix="rl-bench-step-")
         metrics_path = os.path.join(work, "run", "metrics.jsonl")
         wrap = ["bench/forced_length.py"] if args.rl_force_len else []  # (from the run's checkout, as grpo.py)
-        cmd = [sys.executable, *wrap, "grpo.py", *flags, "--run-dir", os.path.join(work, "run"), *run["args"]]
+        launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+        cmd = [sys.executable, *launch, *wrap, "grpo.py", *flags, "--run-dir", os.path.join(work, "run"),
+               *run["args"]]
         shown = " ".join(cmd[1:]).replace(model, "<model>").replace(data, "<prompts>").replace(work, "<tmp>")
-        entry = {"label": run["label"], "code": "another checkout" if run["dir"] else "this checkout",
-                 "command": shown, "steps": []}
+        label = run["label"] + (f" x{nproc}" if len(args.rl_nproc) > 1 else "")
+        entry = {"label": label, "nproc": nproc, "code": "another checkout" if run["dir"] else "this checkout",
+                 "command": shown, "steps": [], "recompiles": []}
         res.data["rl_step"]["runs"].append(entry)
         res.write()
-        print0(f"[{now()}] rl_step {run['label']}: {' '.join(cmd[1:])}" + (f" (in {run['dir']})" if run["dir"] else ""))
+        print0(f"[{now()}] rl_step {label}: {' '.join(cmd[1:])}" + (f" (in {run['dir']})" if run["dir"] else ""))
 
         def read_steps() -> list[dict]:
             rows = []
@@ -801,35 +815,54 @@ def bench_rl_step(res: Results, args, model_dir):
             return [{k: v for k, v in r.items() if k.startswith(keep)} for r in rows if "time/step" in r]
         t0 = time.perf_counter()
 
+        following = False
+
         def on_line(line):
+            nonlocal following
             if line.startswith("[") or "error" in line.lower():
                 print0("  " + line)
+            following = recompile(entry["recompiles"], line, len(entry["steps"]) + 1, following)
             new = read_steps()  # recorded as they come: a run cut short (e.g. in the final checkpoint) keeps them
             if len(new) > len(entry["steps"]):
                 entry["steps"], entry["wall_s"] = new, round(time.perf_counter() - t0, 1)
                 res.write()
-        code, tail = stream(cmd, run["dir"] or ROOT, on_line)
+        code, tail = stream(cmd, run["dir"] or ROOT, on_line, {"TORCH_LOGS": "recompiles"})
         entry["wall_s"] = round(time.perf_counter() - t0, 1)
         entry["steps"] = read_steps()
         if code:
-            res.note(f"rl_step {run['label']}: grpo.py exited {code}; its last lines: " + " | ".join(tail))
+            res.note(f"rl_step {label}: grpo.py exited {code}; its last lines: " + " | ".join(tail))
         unequal = [st["step"] for st in entry["steps"] if st.get("mismatch/unequal_tokens")]
         if "--exact" in run["args"] and unequal:  # the count, not kl_k3 (which rounds tiny differences to 0)
-            res.note(f"rl_step {run['label']}: --exact NOT bitwise: mismatch/unequal_tokens > 0 at steps {unequal}")
+            res.note(f"rl_step {label}: --exact NOT bitwise: mismatch/unequal_tokens > 0 at steps {unequal}")
         res.write()
         for st in entry["steps"]:
-            print0(f"[{now()}] rl_step {run['label']} step {st.get('step')}: " + ", ".join(
+            print0(f"[{now()}] rl_step {label} step {st.get('step')}: " + ", ".join(
                 f"{k[5:]} {v:.2f}s" for k, v in st.items() if k.startswith("time/")))
 
 
-def phase_means(steps: list[dict]) -> dict:
-    """{phase: mean seconds} over the steps after the first (which carries one-time costs: compilation, CUDA graph
-    capture, the allocator's growth); the first step alone when there is no other."""
-    later = steps[1:] or steps
+def recompile(found: list[dict], line: str, step: int, following: bool) -> bool:
+    """torch.compile's recompilations in a run's log (TORCH_LOGS=recompiles) into `found`: the step it happened in
+    and its lines, with the guard failures indented under it (up to 3). `following`: the line before was one of
+    them. Returns whether this line is."""
+    if "Recompiling function" in line:
+        found.append({"step": step, "lines": [line.strip()]})
+        return True
+    if following and line.startswith((" ", "-")) and len(found[-1]["lines"]) < 4:
+        found[-1]["lines"].append(line.strip())
+        return True
+    return False
+
+
+def phase_means(steps: list[dict], skip: int = 1) -> dict:
+    """{phase: mean seconds} over the steps after the first `skip` (which carry one-time costs: compilation, CUDA
+    graph capture, the allocator's growth); all steps when there are no others. Also step_min and step_max."""
+    later = steps[skip:] or steps
     out = {}
     for ph in ("sample", "recompute", "train", "sync", "step"):
         vals = [st[f"time/{ph}"] for st in later if isinstance(st.get(f"time/{ph}"), (int, float))]
         out[ph] = sum(vals) / len(vals) if vals else None
+        if ph == "step":
+            out["step_min"], out["step_max"] = (min(vals), max(vals)) if vals else (None, None)
     return out
 
 
@@ -1009,17 +1042,22 @@ def render_markdown(data: dict) -> str:
     rl = data.get("rl_step")
     if rl:
         runs = rl.get("runs") or ([{"label": "grpo", **rl}] if rl.get("steps") else [])  # (results of before 11/2026)
-        lines += ["## A whole RL step (grpo.py)", "", "Per phase: mean over the steps after the first (which carries "
-                  "one-time costs); memory from grpo.py's mem/* (GPU only; sample: while the sampler is awake).", ""]
+        skip = rl.get("skip", 1)
+        lines += ["## A whole RL step (grpo.py)", "", f"Per phase: mean over the steps after the first {skip} (which "
+                  "carry one-time costs), with the range of the step's time; memory from grpo.py's mem/* (rank 0's; "
+                  "GPU only; sample: while the sampler is awake).", ""]
         if len(runs) > 1:
             rows = []
-            first = phase_means(runs[0].get("steps", [])).get("step")
+            first = phase_means(runs[0].get("steps", []), skip).get("step")
             for r in runs:
-                pm = phase_means(r.get("steps", []))
-                rows.append({"label": r["label"], "code": r.get("code"), **pm,
+                pm = phase_means(r.get("steps", []), skip)
+                rows.append({"label": r["label"], "gpus": r.get("nproc", 1), "code": r.get("code"), **pm,
+                             "range": f"{pm['step_min']:.3g}-{pm['step_max']:.3g}" if pm.get("step") else None,
+                             "recompiles": len(r["recompiles"]) if "recompiles" in r else None,
                              "speedup": first / pm["step"] if first and pm.get("step") else None})
-            lines += _table(rows, "run=label;code;sample s=sample;recompute s=recompute;train s=train;sync s=sync;"
-                                  f"step s=step;x {runs[0]['label']}=speedup")
+            lines += _table(rows, "run=label;GPUs=gpus;code;sample s=sample;recompute s=recompute;train s=train;"
+                                  f"sync s=sync;step s=step;step range=range;recompilations=recompiles;"
+                                  f"speed-up over {runs[0]['label']}=speedup")
         for r in runs:
             steps = r.get("steps", [])
             order = ["time/sample", "time/recompute", "time/train", "time/sync", "time/step"]
@@ -1027,8 +1065,12 @@ def render_markdown(data: dict) -> str:
                           key=lambda k: (order.index(k) if k in order else len(order), not k.startswith("mem/"), k))
             lines += [f"### {r['label']}", "", f"`python {r.get('command')}` ({r.get('code', 'this checkout')}; "
                       f"{r.get('wall_s')} s wall, with start-up and the final checkpoint)", ""]
+            for rc in r.get("recompiles", []):
+                lines += [f"- recompiled at step {rc['step']}: " + " / ".join(f"`{x}`" for x in rc["lines"])]
+            if r.get("recompiles"):
+                lines += [""]
             if steps:
-                later, means = steps[1:] or steps, phase_means(steps)
+                later, means = steps[skip:] or steps, phase_means(steps, skip)
                 phases = []
                 for ph in ("sample", "recompute", "train", "sync", "step"):
                     row = {"phase": ph, "s": means[ph]}

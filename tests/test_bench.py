@@ -37,7 +37,8 @@ def bench_dir(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("bench")
     run(["--only", "matmul,trainer,logprob_memory,sampler,sync,rl_step", "--precisions", "fp32",
          "--sampler-precision", "fp32", "--sampler-variants", "hf,hf_generate",
-         "--rl-sampler", "hf", "--rl-runs", "base:", "other:--lr 1e-5"], tmp_path)
+         "--rl-sampler", "hf", "--rl-runs", "base:--num-minibatches 2",
+         "other:--num-minibatches 2 --lr 1e-5", "--rl-nproc", "1", "2"], tmp_path)  # (4 prompts: 2 a rank)
     return tmp_path
 
 
@@ -60,16 +61,18 @@ def test_every_section_writes_rows_and_a_table(bench_dir):
     assert data["sync"][0]["sampler"] == "HFSampler" and data["sync"][0]["s"] > 0
     checks = data["sync_check"]
     assert len(checks) == 2 and all(r["kl_k3"] < 1e-6 for r in checks)  # fp32: the sync moved the new weights in
-    runs = data["rl_step"]["runs"]
-    assert [r["label"] for r in runs] == ["base", "other"] and runs[1]["command"].endswith("--lr 1e-5")
+    runs = data["rl_step"]["runs"]  # each run on 1 process, then 2 (torchrun): the same global batch
+    assert [(r["label"], r["nproc"]) for r in runs] == [("base x1", 1), ("base x2", 2), ("other x1", 1),
+                                                        ("other x2", 2)]
+    assert runs[2]["command"].endswith("--lr 1e-5") and "--nproc_per_node=2" in runs[3]["command"]
     for r in runs:
         steps = r["steps"]
-        assert [s["step"] for s in steps] == [1, 2]
+        assert [s["step"] for s in steps] == [1, 2] and r["recompiles"] == []  # (no torch.compile on a CPU)
         assert all(s["time/sample"] > 0 and s["time/train"] > 0 and s["time/sync"] > 0 for s in steps)
     assert any("no CUDA" in n for n in data["notes"])
     for header in ("## Matmul peak", "## Trainer (per GPU)", "MFU train (6N)", "## Log-prob head memory",
                    "## Samplers", "## Weight sync", "## A whole RL step", "| 16 + 64 |", "time/sample",
-                   "### other", "| x base |"):
+                   "### other x2", "| speed-up over base x1 |", "| GPUs |"):
         assert header in md, header
 
 
@@ -200,6 +203,21 @@ def test_forced_length_runs_a_script_with_every_response_to_its_limit(monkeypatc
     p = subprocess.run([sys.executable, "bench/forced_length.py", "grpo.py", "--help"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "--max-response-len" in p.stdout, p.stderr[-2000:]
+
+
+def test_recompilations_are_read_from_the_log_with_their_guards():
+    """rl_step reads torch.compile's recompilations (TORCH_LOGS=recompiles) from grpo.py's output: the step, the
+    line, and the guard failures indented under it, and nothing of the lines after them."""
+    from bench.benchmark import recompile
+    log = ["[step 1] ...", "V1127 torch/_dynamo/guards.py] [0/1] [__recompiles] Recompiling function forward in "
+           "modeling_qwen2.py:250", "    triggered by the following guard failure(s):",
+           "    - 0/0: tensor 'hidden_states' size mismatch at index 1. expected 380, actual 412",
+           "[step 2] ...", "  not a guard: the recompilation's lines ended"]
+    found, following = [], False
+    for i, line in enumerate(log):
+        following = recompile(found, line, 2 if i else 1, following)
+    assert len(found) == 1 and found[0]["step"] == 2 and len(found[0]["lines"]) == 3
+    assert found[0]["lines"][2].endswith("expected 380, actual 412")
 
 
 def test_force_len_needs_vllm(tmp_path):
