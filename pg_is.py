@@ -29,7 +29,7 @@ from common.fsdp import iter_full_state, load_policy, load_reference
 from common.logger import Logger
 from common.precision import LossScaler, TrainingFault, check_finite_logprobs, resolve_precisions
 from common.sampler import make_sampler
-from corrections import measure  # PG-Seq-IS: the mismatch and is/token_clip_frac; its other is/ keys are the loss's
+from corrections import LOG_RATIO_MAX, importance_weights, measure  # PG-Seq-IS: w_i, and pi_old/mu's metrics
 from tasks.builtin import with_builtin_task
 
 
@@ -122,26 +122,6 @@ def drgrpo_advantages(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
     return (r_GN - r_GN.mean(-1, keepdim=True)).view(-1)
 
 
-LOG_RHO_MAX = 20.0  # PG-Seq-IS: log rho's cap before exp (verl's), as exp overflows fp32 past 88.7
-TOKEN_CLIP = ("is/token_clip_frac",)  # the one is/ key of pi_old/mu; the others are of the loss's rho, pi_theta/mu
-
-
-@torch.no_grad()
-def seq_importance_weights(logp_BT, mu_logp_BT, mask_BT, is_mode: str, threshold: float):
-    """PG-Seq-IS: the constants w_i, rho_i = exp(sum_t m_it (logp - mu_logp)) in log space (is: log rho_i capped at
-    LOG_RHO_MAX; tis: min(rho_i, C); mis: rho_i * 1{rho_i <= C}). Returns (w_B, log_rho_B), log_rho_B uncapped."""
-    log_rho_B = ((logp_BT - mu_logp_BT) * mask_BT).sum(-1)
-    if is_mode == "is":
-        return torch.exp(log_rho_B.clamp(max=LOG_RHO_MAX)), log_rho_B
-    if is_mode == "tis":
-        return torch.exp(log_rho_B.clamp(max=math.log(threshold))), log_rho_B
-    if is_mode == "mis":
-        # where(), not rho * mask: an overflowing rho (inf) would give inf * 0 = nan
-        w_B = torch.where(log_rho_B <= math.log(threshold), torch.exp(log_rho_B), torch.zeros_like(log_rho_B))
-        return w_B, log_rho_B
-    raise ValueError(f"unknown is_mode {is_mode!r}")
-
-
 def kl_k3(logp_BT, ref_logp_BT):
     """KL: k3 = exp(d) - d - 1, d = ref_logp - logp, per token: KL(pi_theta || pi_ref) with verl's low_var_kl clamps
     (docs/reward-models.md, "A leash on the policy")."""
@@ -152,23 +132,25 @@ def kl_k3(logp_BT, ref_logp_BT):
 def policy_loss(logp_BT, old_logp_BT, mu_logp_BT, adv_B, mask_BT, is_mode: str, threshold: float,
                 max_response_len: int, num_seqs: int, ref_logp_BT=None, kl_coef: float = 0.0):
     """PG-Seq-IS with Dr.GRPO's constant normalizer (docs/algorithms.md):
-    loss = (1/N_seq) sum_i sum_t m_it (l_it + beta k3_it) / L_max, beta k3_it: kl_k3; also returns the largest rho,
-    l_it = -sg[w_i] A_i logp_it, w_i from seq_importance_weights; old_logp only for policy/approx_kl (None: none).
+    loss = (1/N_seq) sum_i sum_t m_it (w_it l_it + beta k3_it) / L_max, w_it the rollout correction's weight,
+    l_it = -A_i logp_it, w_it = sg[w_i] (--is-mode); old_logp only for policy/approx_kl (None: none); and max rho.
     The normalizer counts all ranks and micro-batches, so the sum over micro-batches (each rank's loss times world
     size) is the same whatever the split.
     Returns (loss, {metric: (total, count)}), 0-d tensors that the step adds up (a .item() would wait for the GPU)."""
     m = mask_BT.float()
-    w_B, log_rho_B = seq_importance_weights(logp_BT.detach(), mu_logp_BT, m, is_mode, threshold)
-    loss_BT = -(w_B * adv_B)[:, None] * logp_BT
+    log_rho_B = ((logp_BT.detach() - mu_logp_BT) * m).sum(-1)  # PG-Seq-IS: rho_i = pi_theta/mu over the sequence
+    w_BT, _ = importance_weights(logp_BT.detach(), mu_logp_BT, m, "seq-mis" if is_mode == "mis" else "seq-tis",
+                                 math.exp(LOG_RATIO_MAX) if is_mode == "is" else threshold)  # is: seq-tis at C = e^20
+    loss_BT = -(w_BT * adv_B[:, None]) * logp_BT
     if ref_logp_BT is not None:  # KL: beta * k3 per token, under the loss's normalizer (verl: use_kl_loss)
         loss_BT = loss_BT + kl_coef * kl_k3(logp_BT, ref_logp_BT)
     loss = (loss_BT * m).sum() / max_response_len / num_seqs
     with torch.no_grad():
-        rho_B = torch.exp(log_rho_B.clamp(max=LOG_RHO_MAX))  # capped as --is-mode is caps it (an inf: a useless mean)
-        n = len(w_B)
-        stats = {"is/ratio_mean": (rho_B.sum(), n), "is/weight_mean": (w_B.sum(), n),
+        rho_B = torch.exp(log_rho_B.clamp(max=LOG_RATIO_MAX))  # capped as --is-mode is caps it (an inf: a useless mean)
+        n = len(w_BT)
+        stats = {"is/ratio_mean": (rho_B.sum(), n), "is/weight_mean": (w_BT[:, 0].sum(), n),
                  "is/seq_mask_frac": ((log_rho_B > math.log(threshold)).sum(), n),
-                 "is/log_rho_clamp_frac": ((log_rho_B > LOG_RHO_MAX).sum(), n)}  # log rho > LOG_RHO_MAX
+                 "is/log_rho_clamp_frac": ((log_rho_B > LOG_RATIO_MAX).sum(), n)}
         if old_logp_BT is not None:
             log_ratio_BT = logp_BT.detach() - old_logp_BT
             stats["policy/approx_kl"] = (((torch.expm1(log_ratio_BT) - log_ratio_BT) * m).sum(), m.sum())  # k3
@@ -185,6 +167,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
 # (a fork whose baseline is not the group's mean, as ppo.py's critic, drops this rule)
 GROUP_SIZE = (lambda x: x >= 2, "at least 2: the advantages' baseline is the group's mean reward, so a group of one "
               "has no learning signal")
+TOKEN_CLIP = ("is/token_clip_frac",)  # PG-Seq-IS: the one is/ key of pi_old/mu; the others are of the loss's rho
 
 
 def validate(args: Args, world_size: int) -> None:
@@ -308,7 +291,6 @@ def main(args: Args) -> None:
                     if first:  # the mismatch of this micro-batch, as step 4 measures it after a recompute
                         measure(stats, logp_BT.detach(), mu_mb, rmask, args.is_threshold, True, TOKEN_CLIP)  # PG-Seq-IS
                         stats.add("train/entropy", ent_BT.detach()[rmask].sum(), rmask.sum())
-                    # PG-Seq-IS: rho of this logp (detached) over mu_logp; no approx KL without a recompute
                     loss, loss_stats, rho_max = policy_loss(logp_BT, old_mb if recompute else None, mu_mb, adv_mb,
                                                             rmask, args.is_mode, args.is_threshold,
                                                             args.max_response_len, num_seqs, ref_mb, args.kl_coef)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pg_is import LOG_RHO_MAX, drgrpo_advantages, policy_loss, seq_importance_weights
+from corrections import LOG_RATIO_MAX
+from pg_is import drgrpo_advantages, policy_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LN2 = math.log(2.0)
@@ -64,21 +65,40 @@ def test_weights_above_C_truncated_or_masked_and_overflow_safe():
     logp = torch.stack([log_rho, torch.zeros(4)], dim=1)  # one response token per row; a masked second one
     mu = torch.tensor([[0.0, 50.0]] * 4)  # the masked token would add -50 if the mask were ignored
     mask = torch.tensor([[1, 0]] * 4, dtype=torch.bool)
-    w_is, lr_is = seq_importance_weights(logp, mu, mask, "is", 3.0)
-    w_tis, _ = seq_importance_weights(logp, mu, mask, "tis", 3.0)
-    w_mis, _ = seq_importance_weights(logp, mu, mask, "mis", 3.0)
-    assert lr_is.tolist() == log_rho.tolist()
-    assert w_is[:2].tolist() == pytest.approx([2.0, 5.0]) and w_is[3] == 0.0
-    assert w_is[2].item() == pytest.approx(math.exp(LOG_RHO_MAX))  # capped, not inf
-    assert w_tis.tolist() == pytest.approx([2.0, 3.0, 3.0, 0.0])  # min(rho, C)
-    assert w_mis.tolist() == pytest.approx([2.0, 0.0, 0.0, 0.0])  # rho 1{rho <= C}: the inf masked to 0, not nan
+    # w_i read off the gradient: with A = 1, L_max = N = 1, d loss / d logp_it = -w_i m_it
+    expected = {"is": [2.0, 5.0, math.exp(LOG_RATIO_MAX), 0.0],  # capped, not inf
+                "tis": [2.0, 3.0, 3.0, 0.0],  # min(rho, C)
+                "mis": [2.0, 0.0, 0.0, 0.0]}  # rho 1{rho <= C}: the inf masked to 0, not nan
     # the loss stays finite with an overflowing rho in every mode, and so does its gradient
     for mode in ["is", "tis", "mis"]:
         x = logp.clone().requires_grad_(True)
-        loss, stats, rho_max = policy_loss(x, logp.detach(), mu, torch.ones(4), mask, mode, 3.0, 4, 4)
+        loss, stats, rho_max = policy_loss(x, logp.detach(), mu, torch.ones(4), mask, mode, 3.0, 1, 1)
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+        assert (-x.grad[:, 0]).tolist() == pytest.approx(expected[mode]) and x.grad[:, 1].tolist() == [0.0] * 4
+        assert stats["is/weight_mean"][0].item() == pytest.approx(sum(expected[mode]))
         assert stats["is/log_rho_clamp_frac"][0] == 1 and math.isfinite(stats["is/ratio_mean"][0]) and math.isfinite(rho_max)
+
+
+@pytest.mark.parametrize("mode,C", [("is", 3.0), ("tis", 1.5), ("mis", 1.5), ("tis", 0.3), ("mis", 0.3)])
+def test_weights_bit_identical_to_their_closed_forms(mode, C):
+    """The weights come from corrections.importance_weights (--is-mode is: seq-tis at C = e^LOG_RATIO_MAX): bit for
+    bit the closed forms in fp32, exp(min(log rho, 20)) | exp(min(log rho, ln C)) | rho where log rho <= ln C else 0,
+    over log rho from tiny to huge and inf."""
+    torch.manual_seed(0)
+    logp = -torch.rand(64, 12) * 3
+    mu = logp - torch.randn(64, 12) * torch.tensor([0.01, 1.0, 10.0, 1e4]).repeat(16)[:, None]
+    mu[:5, 0] = logp[:5, 0] - torch.tensor([20.0, 20.00001, 19.99999, 88.7, math.inf])
+    mask = torch.rand(64, 12) > 0.3
+    mask[:5, 0] = True
+    x = logp.clone().requires_grad_(True)
+    loss, *_ = policy_loss(x, logp, mu, torch.ones(64), mask, mode, C, 1, 1)
+    (grad,) = torch.autograd.grad(loss, x)  # -w_i m_it, as above
+    log_rho = ((logp - mu) * mask).sum(-1)
+    cap = LOG_RATIO_MAX if mode == "is" else math.log(C)
+    w = (torch.where(log_rho <= cap, torch.exp(log_rho), torch.zeros_like(log_rho)) if mode == "mis"
+         else torch.exp(log_rho.clamp(max=cap)))
+    assert torch.equal(-grad, w[:, None] * mask)
 
 
 def test_overflowing_rho_with_zero_advantage_is_not_nan():
@@ -139,7 +159,7 @@ def test_modes_agree_when_every_rho_is_below_C():
     mu = logp.detach() + 0.05 * torch.randn(8, 6)
     mask = torch.rand(8, 6) > 0.3
     adv = torch.randn(8)
-    rhos = seq_importance_weights(logp.detach(), mu, mask, "is", 3.0)[0]
+    rhos = ((logp.detach() - mu) * mask).sum(-1).exp()
     assert (rhos < 3.0).all() and not torch.allclose(rhos, torch.ones(8))  # a real correction, below C
     results = []
     for mode in ["is", "tis", "mis"]:
