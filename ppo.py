@@ -13,7 +13,6 @@ with the critic -> GAE advantages -> num_minibatches optimizer steps of both mod
 sized by a token budget -> push the new weights to the sampler -> log. Checkpoints hold the critic in critic/.
 """
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -23,17 +22,15 @@ from typing import Literal
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that spin while waiting made
 # CPU runs on 2 shared cores 3x slower (docs/results.md, "On a CPU")
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from safetensors.torch import load_file
 
 from common import batches, cli, data, logprobs, metrics, preflight, rewards, rundir
 from common.dist import print0, reduce_stats, seed_everything, setup_distributed
-from common.fsdp import full_tensor, iter_full_state, load_policy, load_reference, load_sharded
+from common.fsdp import iter_full_state, load_policy, load_reference
 from common.logger import Logger
 from common.precision import LossScaler, TrainingFault, check_finite_logprobs, resolve_precisions
 from common.sampler import make_sampler
 from corrections import Corrections, CorrectionsField
+from critic import ValueHeadState, load_critic
 from tasks.builtin import with_builtin_task
 
 
@@ -96,7 +93,7 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
-    kl_coef: float = 0.0  # PPO: in the reward, not the loss
+    kl_coef: float = 0.0
     """beta of a KL penalty to the reference policy, the run's starting weights (frozen): -beta (old_logp - ref_logp)
     in every response token's reward before GAE (InstructGPT); 0: none, and no reference is loaded"""
     eps_low: float = 0.2
@@ -141,8 +138,8 @@ def kl_rewards(old_logp_BT, ref_logp_BT, mask_BT, kl_coef: float) -> torch.Tenso
 
 def gae_advantages(rewards_B: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float,
                    lam: float, token_rewards_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO: per-token GAE, r_i on the last response token (plus token_rewards_BT), V = 0 after it: delta_t =
-    r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}, R_t = A_t + V_t. Returns (adv_BT, returns_BT)."""
+    """PPO: per-token GAE (docs/algorithms.md), r_i on the last response token plus token_rewards_BT (KL), V = 0
+    after it. Returns (adv_BT, returns_BT)."""
     m = mask_BT.float()
     V_BT = values_BT * m
     last_B = mask_BT.sum(-1) - 1
@@ -193,8 +190,7 @@ def policy_loss(logp_BT, old_logp_BT, adv_BT, weight_BT, mask_BT, eps_low: float
 
 
 def value_loss(values_BT, old_values_BT, returns_BT, mask_BT, value_clip: float, num_tokens: int):
-    """PPO: the clipped value loss, (1/N_tok) sum_it m_it 0.5 max((V - R)^2, (V_clipped - R)^2),
-    V_clipped = V_old + clip(V - V_old, -c, c). Returns (loss, {critic/value_clip_frac: (total, count)})."""
+    """PPO: the clipped value loss over N_tok (docs/algorithms.md). Returns (loss, {metric: (total, count)})."""
     m = mask_BT.float()
     v_clipped_BT = old_values_BT + (values_BT - old_values_BT).clamp(-value_clip, value_clip)
     err_BT, err_clipped_BT = (values_BT - returns_BT) ** 2, (v_clipped_BT - returns_BT) ** 2
@@ -227,101 +223,20 @@ def explained_variance(values_BT, returns_BT, mask_BT, device=None) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# PPO: the critic (the value model) and its value head
-
-class CriticModel(nn.Module):
-    """`lm`: a Hugging Face causal LM (lm_head unused); `value_head`: nn.Linear(hidden, 1) on its last hidden states."""
-
-    def __init__(self, lm: nn.Module, value_head: nn.Linear):
-        super().__init__()
-        self.lm = lm
-        self.value_head = value_head
-
-    def forward(self, input_ids_BL, attention_mask_BL, response_mask_BT):
-        """As PolicyModel.forward; returns values_BT, fp32, 0 off-mask: V(s_t) where the logits predict token t."""
-        hidden_NH, _ = logprobs.response_hidden(self.lm, input_ids_BL, attention_mask_BL, response_mask_BT)
-        # the head's product in fp32 (its weights arrive in the compute dtype): values are never rounded to 16 bits
-        w, b = self.value_head.weight, self.value_head.bias
-        values_N = F.linear(hidden_NH.float(), w.float(), b.float()).squeeze(-1)
-        values_BT = torch.zeros(response_mask_BT.shape, dtype=torch.float32, device=values_N.device)
-        return values_BT.masked_scatter(response_mask_BT, values_N)  # row-major order matches on both sides
-
-
-def init_value_head(hidden_size: int, seed: int) -> nn.Linear:
-    """weight ~ N(0, (1/(hidden+1))^2), bias 0 (OpenRLHF's), from its own generator: the same head on every rank."""
-    head = nn.Linear(hidden_size, 1)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        head.weight.normal_(0.0, 1.0 / (hidden_size + 1), generator=g)
-        head.bias.zero_()
-    return head
-
-
-def load_critic(path: str, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool, seed: int,
-                attn_implementation: str = "sdpa", cpu_offload: bool = False, compile: bool = False) -> CriticModel:
-    """The CriticModel (the FSDP2 root, sharded as load_policy does) from the model directory `path`, the policy's or a
-    critic checkpoint's (then with its value_head.safetensors; else a fresh head from `seed`)."""
-    def wrap(lm):
-        head = init_value_head(lm.config.hidden_size, seed)
-        file, old = os.path.join(path, "value_head.safetensors"), os.path.join(path, "trainer_state.json")
-        try:
-            if os.path.isfile(file):  # a critic checkpoint's (ValueHeadState)
-                head.load_state_dict(load_file(file))
-            elif os.path.isfile(old):  # an older ppo.py kept the head there as JSON: read once (a save rewrites it)
-                with open(old) as f:
-                    saved = json.load(f).get("value_head")
-                if saved is not None:
-                    file = old
-                    head.load_state_dict({k: torch.tensor(v, dtype=torch.float32) for k, v in saved.items()})
-        except Exception as e:  # noqa: BLE001 -- SafetensorError, or a head of another shape
-            raise ValueError(f"--resume: {file} is damaged: its value_head is not this critic's ({type(e).__name__}: "
-                             f"{' '.join(str(e).split())[:200]})") from None
-        # an untied lm_head gets no gradient: frozen, else a resume asks the checkpoint for AdamW state it never had
-        if lm.get_output_embeddings().weight is not lm.get_input_embeddings().weight:
-            lm.get_output_embeddings().weight.requires_grad_(False)
-        return CriticModel(lm, head)  # the FSDP root: embedding, final norm, (unused) lm_head, value head
-    return load_sharded(path, wrap, param_dtype, device, gradient_checkpointing, attn_implementation, cpu_offload,
-                        compile)
-
-
-@torch.no_grad()
-def critic_values(critic: CriticModel, rollout, groups: list[list[int]], pad_id: int, device) -> list[torch.Tensor]:
-    """V_old without gradient, micro-batch by micro-batch (`groups`): one fp32 CPU tensor per sequence's response."""
-    values = [None] * len(rollout.response_ids)
-    for mb in groups:
-        for i, row in zip(mb, critic(*rollout.rows(mb, pad_id, device)).cpu()):
-            values[i] = row[:len(rollout.response_ids[i])]
-    return values
-
-
-class ValueHeadState:
-    """The value head as a checkpoint's state, value_head.safetensors (load_critic reads it back as it builds)."""
-
-    def __init__(self, critic: CriticModel):
-        self.critic = critic
-
-    @torch.no_grad()
-    def state_dict(self) -> dict:  # a collective under FSDP2: every rank calls it
-        return {name: full_tensor(p).float().cpu() for name, p in self.critic.value_head.named_parameters()}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
-# ----------------------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> Args:
     """The command line over Args' defaults; when it names no --model, over the built-in task's preset BUILTIN."""
     return cli.parse(Args, BUILTIN, argv)
 
 
+# PPO: no group-size rule (common's at least 1): the baseline is the critic's value, one response per prompt is PPO
+POSITIVE, UNIT = (lambda x: math.isfinite(x) and x > 0, "finite and > 0"), (lambda x: 0 <= x <= 1, "in [0, 1]")
+
+
 def validate(args: Args, world_size: int) -> None:
     """Everything that can be checked before a model is loaded: the flags every script shares (common/cli.py), then
     this script's."""
-    positive = (lambda x: math.isfinite(x) and x > 0, "finite and > 0")  # PPO
-    # PPO: no group-size rule (common's at least 1): the baseline is the critic's value, one response per prompt is PPO
-    cli.validate(args, world_size, critic_lr=positive, value_clip=positive, gamma=(lambda x: 0 <= x <= 1, "in [0, 1]"),
-                 lam=(lambda x: 0 <= x <= 1, "in [0, 1]"))  # PPO
+    cli.validate(args, world_size, critic_lr=POSITIVE, value_clip=POSITIVE, gamma=UNIT, lam=UNIT)  # PPO
     args.corrections.check(args.old_logp)
     if "opsm" in args.corrections.is_reject:  # PPO
         raise ValueError("--is-reject opsm needs one advantage per sequence; ppo.py's advantages are per token")
@@ -428,7 +343,7 @@ def main(args: Args) -> None:
             ref_BT = rollout.padded(logprobs.recompute_logprobs(ref, rollout, groups, pad_id, args.temperature,
                                                                 infra.logprob_chunk, device)) if ref else None
             # PPO: and V_old with the critic (the values of GAE and of the value clip), also with --old-logp mu
-            old_values = critic_values(critic, rollout, groups or batches.micro_batches(
+            old_values = critic.values(rollout, groups or batches.micro_batches(
                 rollout.seq_lens(), args.micro_batch_tokens, device), pad_id, device)  # PPO
 
         # --- 4. the mismatch of the sampler's mu_logp and the trainer's old_logp, every response token
@@ -439,8 +354,7 @@ def main(args: Args) -> None:
             args.corrections.measure(stats, old_BT, mu_BT, mask_BT)
         w_BT = args.corrections.weights(stats, old_BT, mu_BT, mask_BT)  # the rollout corrections' weights
         metrics.reference_kl(stats, old_BT, ref_BT, mask_BT)  # KL: how far pi_old is from the reference (kl_ref/*)
-        # PPO: per-token GAE advantages and returns from V_old, the advantages whitened over all ranks' response tokens
-        values_BT = rollout.padded(old_values)
+        values_BT = rollout.padded(old_values)  # PPO: per-token GAE from V_old, whitened over all ranks' tokens
         kl_BT = kl_rewards(old_BT, ref_BT, mask_BT, args.kl_coef) if ref else None  # PPO, KL: in the reward
         adv_BT, returns_BT = ppo_advantages(stats, rewards_B, values_BT, mask_BT, args.gamma, args.lam, device, kl_BT)
 
@@ -479,8 +393,7 @@ def main(args: Args) -> None:
                     stats.add("critic/value_loss", vloss.detach() / args.num_minibatches)  # PPO
                     stats.update(vloss_stats)  # PPO
                 scaler.step(params, optimizer, args.max_grad_norm)
-                # PPO: the critic's step, with its own loss scaler (unscale -> clip -> step or skip -> update)
-                critic_scaler.step(critic_params, critic_optimizer, args.max_grad_norm)
+                critic_scaler.step(critic_params, critic_optimizer, args.max_grad_norm)  # PPO: its own loss scaler
                 scaler.fault = scaler.fault or critic_scaler.fault  # PPO: a fault of the critic stops the run too
                 if scaler.fault:
                     break  # no more updates from this batch; the run stops after logging it

@@ -1,5 +1,5 @@
 """ppo.py's pure functions against hand-computed values (GAE, whitening, value loss, policy loss on per-token
-advantages), the critic wrapper (in ppo.py), and ppo.py end to end on the built-in task under torchrun."""
+advantages), the critic wrapper (critic.py), and ppo.py end to end on the built-in task under torchrun."""
 import json
 import math
 import os
@@ -17,7 +17,8 @@ from common.fsdp import load_policy
 from common.logprobs import collate
 from safetensors.torch import load_file, save_file
 
-from ppo import ValueHeadState, gae_advantages, init_value_head, load_critic, policy_loss, value_loss, whiten_advantages
+from critic import ValueHeadState, init_value_head, load_critic
+from ppo import gae_advantages, policy_loss, value_loss, whiten_advantages
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
