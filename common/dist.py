@@ -48,16 +48,18 @@ def setup_distributed(cpu_offload: bool = False) -> tuple[int, int, torch.device
     return rank, world_size, device
 
 
-def cleanup_distributed() -> None:
+def cleanup_distributed(barrier: bool = True) -> None:
     """Destroy the process groups and free them, so that gloo's threads (gloo_tcp_loop, pt_gloo_runloop) end here.
     Call it after main() has returned: its model's FSDP states hold the group. A group that is destroyed but still
     referenced keeps its threads to the interpreter's teardown, where freeing it can abort the finished process
     ("terminate called without an active exception", torchrun exit -6). What else holds a group: DeviceMeshes that
     DTensor's caches keep (each mesh's _pg_registry), and torch.distributed.nn's functions, whose default
     `group=group.WORLD` is the default group if that module is first imported after the group exists (vLLM imports
-    it): it is imported at the top of this file instead."""
+    it): it is imported at the top of this file instead. barrier=False on an error exit, where the other ranks may
+    not come."""
     if dist.is_initialized():  # (a sampler's shutdown may have destroyed it already)
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
     gc.collect()  # main()'s model and optimizer (FSDP modules are reference cycles)
     for mesh in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:

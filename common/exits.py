@@ -72,8 +72,8 @@ def run(main, script_file: str, steps: bool = True, bad_input: tuple = ()):
     """Run main() as a script's __main__ and return its value: bad input (ValueError, FileNotFoundError,
     PermissionError, and the types in bad_input) is one line and exit code 2, a TrainingFault one line and exit code 3,
     Ctrl-C one line and exit code 130 (steps=False: a tool's, which names no step); anything else is a bug or an
-    environment problem and keeps its traceback (exit code 1). DEBUG=1: every traceback. After main() returns, the
-    process group is freed here (main's model holds it)."""
+    environment problem and keeps its traceback (exit code 1). DEBUG=1: every traceback. Once main() has returned or
+    raised, the process group is freed here (main's model holds it)."""
     global _script
     _script = os.path.basename(script_file)
     if not steps:
@@ -85,17 +85,22 @@ def run(main, script_file: str, steps: bool = True, bad_input: tuple = ()):
         # instead of letting it exit with its code
         atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
     try:
-        value = main()
+        value, code = main(), None
     except (*_faults(), ValueError, FileNotFoundError, PermissionError, KeyboardInterrupt, *bad_input) as e:
         if os.environ.get("DEBUG"):
             raise
-        if isinstance(e, KeyboardInterrupt):
+        value, code = None, EXIT_INTERRUPTED if isinstance(e, KeyboardInterrupt) else \
+            EXIT_FAULT if isinstance(e, _faults()) else EXIT_BAD_INPUT  # (a TrainingFault: a RuntimeError)
+        if code == EXIT_INTERRUPTED:
             _say_interrupted()
-            sys.exit(EXIT_INTERRUPTED)
-        print(f"{_script}: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_FAULT if isinstance(e, _faults()) else EXIT_BAD_INPUT)  # (a TrainingFault: a RuntimeError)
+        else:
+            print(f"{_script}: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr, flush=True)
+    # here, not inside `except`: the exception's traceback holds main()'s frames, and with them its model, which holds
+    # the process group; an error exit frees it too, without the barrier (the other ranks need not be here)
     if "common.dist" in sys.modules:  # (a process group is set up there only)
-        sys.modules["common.dist"].cleanup_distributed()
+        sys.modules["common.dist"].cleanup_distributed(barrier=code is None)
+    if code is not None:
+        sys.exit(code)
     return value
 
 

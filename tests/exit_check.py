@@ -3,7 +3,8 @@ still alive in this process, for tests/test_exit.py:
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/exit_check.py OUT_DIR SCRIPT [args...]
 
-Each rank writes OUT_DIR/rank<r>.json: {"gloo_threads": [names]}. A gloo thread alive once the script is done belongs
+Each rank writes OUT_DIR/rank<r>.json: {"gloo_threads": [names], "code": the script's exit code}; SCRIPT may be
+tests/fault_injection.py with its own arguments (an error exit). A gloo thread alive once the script is done belongs
 to a process group that is destroyed but still referenced; it is freed at the interpreter's teardown, which can
 abort the finished process ("terminate called without an active exception", torchrun exit -6)."""
 import glob
@@ -32,6 +33,10 @@ if __name__ == "__main__":
     out, script, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
     rank = os.environ["RANK"]
     sys.argv = [script, *argv]
-    runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    try:
+        runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+        code = 0
+    except SystemExit as e:  # an error exit (the script's own exit code), recorded with the threads left after it
+        code = e.code
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"gloo_threads": gloo_threads()}, f)
+        json.dump({"gloo_threads": gloo_threads(), "code": code}, f)
