@@ -1,6 +1,5 @@
-"""What every script shares on its command line: the infrastructure flags (Infra, one nested group of each script's
-Args, flat on the command line), the range checks of every shared flag, the built-in task's preset, the start-up line
-that says what a run uses, and the exit codes (docs/faults.md)."""
+"""What every script shares on its command line: the infrastructure flags (Infra, a nested group of each script's Args,
+flat on the command line), their range checks, the built-in task's preset, and the exit codes (docs/faults.md)."""
 import dataclasses
 import math
 import os
@@ -29,8 +28,8 @@ class Infra:
     """the wandb project"""
     # --- the sampler's implementation
     sampler: Literal["auto", "vllm", "hf"] = "auto"
-    """'vllm': an in-process vLLM engine per rank; 'hf': the fallback sampler on transformers (a plain copy of the
-    policy); 'auto': vllm when it is installed and a GPU is present, else hf"""
+    """'vllm': an in-process vLLM engine per rank; 'hf': the fallback on transformers (a copy of the policy); 'auto':
+    vllm when it is installed and a GPU is present, else hf"""
     sampler_batch_size: int = 256
     """sequences decoded at once by the fallback sampler"""
     vllm_tp: int = 1
@@ -39,32 +38,25 @@ class Infra:
     """fraction of GPU memory vLLM may take for weights and KV cache (on CPU: of the NUMA node's memory); the
     trainer needs the rest while vLLM is awake"""
     vllm_kv_cache_gib: float = 0.0
-    """GiB of KV cache per vLLM engine, fixed instead of sized by measuring free memory while the engine starts (0:
-    measure); set it when several runs share a GPU (sanity/run_sanity.py --parallel): another process allocating
-    or freeing during that measurement makes the engine fail to start"""
+    """GiB of KV cache per vLLM engine instead of measuring free memory at its start (0: measure); set it when runs
+    share a GPU (sanity/run_sanity.py --parallel): another process's allocations make that measurement fail"""
     vllm_sleep_level: Literal[0, 1, 2] = 1
     """vLLM sleep mode while the trainer trains (GPU only): 1 offloads the weights to CPU and frees the KV cache, 2
     also discards the weights (reloaded from the trainer before sampling), 0 keeps everything"""
     exact: bool = False
-    """exact on-policy log-probs (docs/exact.md): vLLM runs in its batch-invariant mode and the trainer's forward calls
-    the same kernels op by op on unpadded sequences, so old_logp equals mu bit for bit (mismatch/unequal_tokens 0).
-    Qwen2, Qwen3 and Llama models, vLLM 0.25.1, --vllm-tp 1, a Hopper GPU, the same fp16 or bf16 on both sides;
-    --compile has no effect then"""
+    """exact on-policy log-probs, old_logp equal to mu bit for bit (docs/exact.md: Qwen2, Qwen3, Llama; vLLM 0.25.1,
+    --vllm-tp 1, a Hopper GPU, the same fp16 or bf16 on both sides); --compile has no effect then"""
     exact_check_every: int = 10
-    """with --exact: the recompute forward (step 3) runs on the first step of a run (or of a resume) and every N
-    steps after, and its mismatch/unequal_tokens must be 0; on the other steps old_logp is mu, which is what the
-    recompute would give bit for bit, and mismatch/*, train/entropy come from the first mini-batch's forward
-    (1: every step)"""
+    """with --exact: the recompute forward (step 3) runs on a run's (or resume's) first step and every N steps after
+    (1: every step); on the others old_logp is mu, and mismatch/* come from the first mini-batch's forward"""
     # --- memory and speed
     gradient_checkpointing: bool = True
     """recompute decoder layers' activations in the backward pass"""
     cpu_offload: bool = False
-    """keep the trainer's sharded fp32 weights, gradients and AdamW states in CPU memory (FSDP2 CPUOffloadPolicy), for
-    a model whose training state does not fit the GPUs: 16 bytes of pinned host memory per parameter and a copy of
-    each layer's weights and gradients every forward and backward (docs/scale.md)"""
+    """keep the trainer's fp32 weights, gradients and AdamW states in CPU memory (FSDP2 CPUOffloadPolicy) when they do
+    not fit the GPUs: 16 bytes of pinned host memory per parameter, copies every forward and backward (docs/scale.md)"""
     compile: bool = True
-    """torch.compile each decoder layer of the trainer on a GPU (fuses its many small kernels; the first step and the
-    first change of shapes pay the compilation); no effect on a CPU"""
+    """torch.compile each decoder layer of the trainer on a GPU (the first step and change of shapes pay for it)"""
     logprob_chunk: int = 2048
     """tokens per chunk of the fp32 log-prob head (bounds its memory at chunk x vocab floats)"""
     # --- faults
@@ -97,26 +89,18 @@ class Infra:
     resume: str | None = None
     """resume from a checkpoint directory, or 'latest' for the newest one in <run_dir>/checkpoints"""
     overwrite: bool = False
-    """start a new run in a --run-dir that holds another one: remove that run's files (config.json, metrics.jsonl,
-    checkpoints/), once this run's inputs are read and checked; without it (or --resume) such a directory is refused
-    (docs/faults.md)"""
+    """start a new run in a --run-dir that holds another: its files are removed once this run's inputs are checked;
+    without it (or --resume) such a directory is refused (docs/faults.md)"""
     accept_changes: bool = False
-    """with --resume: continue even where settings that define the run (script, model, data, seed, batch shape,
-    precision, the algorithm's flags) differ from those the checkpoint was trained with; without it such a resume is
-    refused, naming the differences. Every change is said at start and recorded in config_resume_<step>.json
-    (docs/faults.md)"""
+    """with --resume: continue where settings that define the run (model, data, seed, batch shape, precision, the
+    algorithm's flags) differ from the checkpoint's, which is refused without it (docs/faults.md)"""
 
 
 InfraField = tyro.conf.OmitArgPrefixes[Infra]  # an Args field's type: the flags stay --run-dir, not --infra.run-dir
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the command line, and what a run uses
-
-
 def parse(args_class, preset: dict, argv: list[str] | None = None):
-    """The command line over args_class's defaults; when it names no --model, over the built-in task's `preset` (a
-    flat dict of field names, nested groups' fields included)."""
+    """The command line over args_class's defaults, or without --model over the built-in task's (flat) `preset`."""
     args = tyro.cli(args_class, args=argv)
     if args.model is None:
         args = tyro.cli(args_class, args=argv, default=with_values(args_class(), preset))
@@ -135,13 +119,8 @@ def with_values(obj, values: dict):
     return dataclasses.replace(obj, **changes)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# checks before any model loads
-
-
 # (valid(value), what is valid) of every flag that more than one script has; a script's own flags, and another range
-# for a shared one, go to check_ranges from its validate (an algorithm's rule too: --group-size at least 2 where the
-# baseline is the group's mean is in the scripts that have that baseline)
+# for a shared one (--group-size at least 2 where the baseline is the group's mean), go to validate's `ranges`
 RANGES = {
     **{name: (lambda x: x >= 1, "at least 1") for name in (
         "num_steps", "num_prompts", "group_size", "num_minibatches", "micro_batch_tokens", "max_prompt_len",
@@ -168,8 +147,7 @@ RANGES = {
 
 
 def check_ranges(args, ranges: dict) -> None:
-    """ValueError, one line naming the flag, for the first field of `args` (nested groups included) outside its
-    range; ranges: {field name: (valid(value), what is valid)}, fields the script does not have are skipped."""
+    """ValueError naming the first field of `args` outside its range, {field name: (valid(value), what is valid)}."""
     values = flat_fields(args)
     for name, (valid, what) in ranges.items():
         if name in values and not valid(values[name]):
@@ -183,8 +161,7 @@ def exact_div(a: int, b: int, what: str) -> int:
 
 
 def validate(args, world_size: int, **ranges) -> None:
-    """The shared flags' checks, before any model loads: the RANGES (with a script's `ranges` over them), the batch
-    shape over the ranks, the files, the reward, the sampler and the run directory's flags."""
+    """The shared flags' checks, before any model loads (a script's own `ranges` go over RANGES)."""
     check_ranges(args, {**RANGES, **ranges})  # before the divisions below, which a 0 would break
     infra = args.infra
     exact_div(args.num_prompts, world_size, "--num-prompts over the ranks (world size)")
@@ -214,9 +191,6 @@ def validate(args, world_size: int, **ranges) -> None:
         raise ValueError("--exact-check-every goes with --exact (without it the recompute runs every step)")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the steps, and how a script ends
-
 def steps(first: int, last: int):
     """first..last, each recorded as the step in progress while it runs (an interrupted run's message names it)."""
     for step in range(first, last + 1):
@@ -225,15 +199,11 @@ def steps(first: int, last: int):
 
 
 def recompute_due(infra, step: int, first_step: int) -> bool:
-    """Whether step 3's recompute forward runs at `step`: always, except with --exact, where the trainer's old_logp is
-    the sampler's mu bit for bit, so the recompute runs only on the run's (or the resume's) first step and every
-    --exact-check-every steps, to count the unequal tokens over the whole batch; on the other steps old_logp is mu,
-    and the first mini-batch's forward, before any update, still counts them on its tokens."""
+    """Whether step 3's recompute forward runs: always, except with --exact (old_logp is mu bit for bit), where it
+    runs on the run's (or resume's) first step and every --exact-check-every steps to count unequal tokens."""
     return not infra.exact or step == first_step or step % infra.exact_check_every == 0
 
 
 def run(main, parse_args) -> None:
-    """A script's __main__: main(parse_args()) through common.exits.run: its errors as exit codes with one line
-    (docs/faults.md): 2 bad input, 3 a training fault, 130 Ctrl-C (with the step and how to go on), a traceback for
-    anything else; DEBUG=1 gives the traceback every time."""
+    """A script's __main__: main(parse_args()) with its errors as exit codes and one line (common.exits.run)."""
     exits.run(lambda: main(parse_args()), sys.argv[0])

@@ -7,6 +7,21 @@ import os
 from common.checkpoint import read_json
 from common.dist import print0
 
+# The settings a resume may change without --accept-changes (docs/faults.md, "Resuming with other settings"): how
+# long and how often it evaluates and saves, evaluation and logging, where and how fast it runs, when it stops for
+# faults, and the learning rate (by hand, as a schedule). Every other setting defines what the run computes (script,
+# model, data, seed, batch shape, precision, the algorithm's flags): another value makes a different run.
+RESUME_MAY_CHANGE = frozenset({
+    "num_steps", "eval_every", "save_every", "keep_last",
+    "eval_dataset", "eval_k", "eval_temperature", "eval_top_p", "eval_max_problems",
+    "exp_name", "run_dir", "track", "wandb_project",
+    "sampler", "sampler_batch_size", "vllm_tp", "vllm_gpu_memory_utilization", "vllm_kv_cache_gib",
+    "vllm_sleep_level", "micro_batch_tokens", "logprob_chunk", "gradient_checkpointing", "cpu_offload", "compile",
+    "max_skipped_steps", "kl_warn_factor", "rm_batch_tokens",
+    "lr", "critic_lr",
+    "resume", "overwrite", "accept_changes",
+})
+
 
 def flat_fields(obj) -> dict:
     """A dataclass instance's fields as one flat dict; a nested dataclass field (a group of flags) is flattened."""
@@ -23,35 +38,14 @@ def _show(value) -> str:
 
 
 def config_changes(args, defaults, preset: dict, preset_name: str) -> str:
-    """One line: the fields of `args` that differ from `defaults` (dataclass instances of the same class), those
-    equal to `preset`'s value marked as the preset's, the others as the command line's."""
-    now, base = flat_fields(args), flat_fields(defaults)
-    changed = {k: v for k, v in now.items() if v != base[k]}
+    """One line: the fields of `args` that differ from `defaults`, said as the preset's or the command line's."""
+    base = flat_fields(defaults)
+    changed = {k: v for k, v in flat_fields(args).items() if v != base[k]}
     from_preset = [f"{k} {_show(v)}" for k, v in changed.items() if k in preset and v == preset[k]]
     from_cli = [f"{k} {_show(v)}" for k, v in changed.items() if not (k in preset and v == preset[k])]
     parts = ([f"{preset_name}: {', '.join(from_preset)}"] if from_preset else []) + \
         ([f"command line: {', '.join(from_cli)}"] if from_cli else [])
     return "[config] Args' defaults" + (", except: " + "; ".join(parts) if parts else "")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# What a run is, and what a resume may change (docs/faults.md, "Resuming with other settings")
-
-# The settings a resume may change without --accept-changes: how long the run goes on and how often it evaluates and
-# saves, how it is evaluated and logged, where and how fast it runs (memory, speed, the sampler's engine), when it
-# stops for faults, and the learning rate (changed by hand, as a schedule; said at start like every change). Every
-# other setting defines what the run computes (the script, model, data, seed, batch shape, precision, the
-# algorithm's flags): changing one on resume makes a different run under the same name.
-RESUME_MAY_CHANGE = frozenset({
-    "num_steps", "eval_every", "save_every", "keep_last",
-    "eval_dataset", "eval_k", "eval_temperature", "eval_top_p", "eval_max_problems",
-    "exp_name", "run_dir", "track", "wandb_project",
-    "sampler", "sampler_batch_size", "vllm_tp", "vllm_gpu_memory_utilization", "vllm_kv_cache_gib",
-    "vllm_sleep_level", "micro_batch_tokens", "logprob_chunk", "gradient_checkpointing", "cpu_offload", "compile",
-    "max_skipped_steps", "kl_warn_factor", "rm_batch_tokens",
-    "lr", "critic_lr",
-    "resume", "overwrite", "accept_changes",
-})
 
 
 def run_config(script_file: str, args) -> dict:
@@ -60,40 +54,28 @@ def run_config(script_file: str, args) -> dict:
     return json.loads(json.dumps(config, default=str))  # tuples as lists: as the file reads back
 
 
-def resume_changes(recorded: dict, config: dict) -> dict[str, tuple]:
-    """{field: (recorded value, value now)} for every field whose value differs. A field the record lacks is new
-    since it was written (a flag added to the code): not compared. A field only the record has belongs to another
-    script's Args: a difference."""
-    return {k: (v, config.get(k, "(absent)")) for k, v in sorted(recorded.items()) if v != config.get(k, "(absent)")}
-
-
-def _show_change(key, old, new) -> str:
-    return f"{key} {_show(old)} -> {_show(new)}"
-
-
 def check_resume_config(resume_dir: str, run_dir: str, config: dict, accept_changes: bool) -> dict[str, tuple]:
-    """Compare a resume's settings (run_config) with those the checkpoint was trained with (its trainer_state.json's
-    "config"), before anything is loaded or written. A change to a setting that defines the run is refused with one
-    line naming each difference, unless accept_changes (--accept-changes); the others (RESUME_MAY_CHANGE) are allowed. Every change is
-    said at start; the resumed run's settings are then recorded in config_resume_<step>.json beside config.json
-    (common/logger.py). Returns the changes. (run_dir: not read; the checkpoint holds its settings.)"""
+    """Compare a resume's settings with the checkpoint's before anything loads: a change to one that defines the run
+    is refused unless accept_changes; every change is said. Returns {field: (recorded, now)}. (run_dir: not read.)"""
     source = os.path.join(resume_dir, "trainer_state.json")
     recorded = read_json(source, "--resume").get("config")
     if not isinstance(recorded, dict):
         print0(f"[resume] {source} holds no record of the settings it was trained with (a checkpoint of a version "
                "before 2026-11-26): they are not compared with this run's")
         return {}
-    changes = resume_changes(recorded, config)
-    defining = {k: v for k, v in changes.items() if k not in RESUME_MAY_CHANGE}
-    said = ", ".join(_show_change(k, *v) for k, v in defining.items())
+    # a field the record lacks is new in the code: not compared; one only the record has (another script's): a change
+    changes = {k: (v, config.get(k, "(absent)")) for k, v in sorted(recorded.items()) if v != config.get(k, "(absent)")}
+
+    def said(keys) -> str:
+        return ", ".join(f"{k} {_show(changes[k][0])} -> {_show(changes[k][1])}" for k in keys)
+    defining = [k for k in changes if k not in RESUME_MAY_CHANGE]
     if defining and not accept_changes:
         raise ValueError(f"--resume: settings that define the run differ from those the checkpoint was trained with "
-                         f"({source}): {said}; resume with the run's values, or add --accept-changes to continue "
-                         "with these on purpose (each change is recorded in the run directory)")
-    allowed = ", ".join(_show_change(k, *v) for k, v in changes.items() if k in RESUME_MAY_CHANGE and k not in (
-        "resume", "overwrite", "accept_changes"))
+                         f"({source}): {said(defining)}; resume with the run's values, or add --accept-changes to "
+                         "continue with these on purpose (each change is recorded in the run directory)")
+    allowed = said(k for k in changes if k in RESUME_MAY_CHANGE and k not in ("resume", "overwrite", "accept_changes"))
     if allowed:
         print0(f"[resume] changed since the checkpoint's settings ({source}): {allowed}")
     if defining:
-        print0(f"[resume] --accept-changes: continuing with settings that define the run changed: {said}")
+        print0(f"[resume] --accept-changes: continuing with settings that define the run changed: {said(defining)}")
     return changes

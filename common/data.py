@@ -1,5 +1,4 @@
 """Prompt datasets: load {problem, answer} rows from disk and turn them into token ids."""
-
 import json
 import os
 import string
@@ -14,10 +13,6 @@ INSTRUCTION = "Please reason step by step, and put your final answer within \\bo
 
 PROBLEM_FIELDS = ("problem", "prompt", "question")  # first one present wins
 ANSWER_FIELDS = ("answer", "solution")
-
-
-# ----------------------------------------------------------------------------
-# loading
 
 
 def _read_rows(path: str) -> list[tuple[str, object]]:
@@ -52,11 +47,11 @@ def _read_rows(path: str) -> list[tuple[str, object]]:
             raise ValueError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
     elif ext == ".parquet":
         import pyarrow.parquet as pq
-
         try:
             data = pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow raises several types for a bad file
-            raise ValueError(f"{path}: could not read parquet file ({type(e).__name__}: {e})".replace("\n", " ")) from None
+            raise ValueError(f"{path}: could not read parquet file ({type(e).__name__}: {e})".replace("\n", " ")
+                             ) from None
     else:
         raise ValueError(f"{path}: unknown dataset file extension {ext!r} (expected .jsonl, .json or .parquet)")
     return [(f"row {i} (0-based)", row) for i, row in enumerate(data)]
@@ -74,12 +69,13 @@ def _pick_field(row: dict, names: tuple, what: str, where: str) -> str:
         if not value.strip():
             raise ValueError(f"{where}: field {name!r} is empty")
         return value
-    raise ValueError(f"{where}: missing the {what} (accepted field names: {', '.join(names)}; found: {', '.join(row) or 'none'})")
+    raise ValueError(f"{where}: missing the {what} (accepted field names: {', '.join(names)}; found: "
+                     f"{', '.join(row) or 'none'})")
 
 
 def load_problems(path: str) -> list[dict]:
-    """Rows of a .jsonl / .json / .parquet file as [{"problem": str, "answer": str}, ...]. An answer (a short final
-    answer or a worked solution ending in \\boxed{...}) is kept as is: the reward function extracts the last box."""
+    """A .jsonl / .json / .parquet file's rows as [{"problem": str, "answer": str}]; an answer (or a worked solution
+    ending in \\boxed{...}) is kept as is: the reward function extracts the last box."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file not found: {path}")
     problems = []
@@ -87,16 +83,11 @@ def load_problems(path: str) -> list[dict]:
         where = f"{path}: {where}"
         if not isinstance(row, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-        problem = _pick_field(row, PROBLEM_FIELDS, "problem", where)
-        answer = _pick_field(row, ANSWER_FIELDS, "answer", where)
-        problems.append({"problem": problem, "answer": answer})
+        problems.append({"problem": _pick_field(row, PROBLEM_FIELDS, "problem", where),
+                         "answer": _pick_field(row, ANSWER_FIELDS, "answer", where)})
     if not problems:
         raise ValueError(f"{path}: no problems found (the dataset is empty)")
     return problems
-
-
-# ----------------------------------------------------------------------------
-# prompts -> token ids
 
 
 @lru_cache(maxsize=16)  # validate each template once, not once per problem
@@ -106,19 +97,16 @@ def _check_template(template: str) -> None:
     except ValueError as e:
         raise ValueError(f"bad prompt template {template!r}: {e} (write a literal brace as {{{{ or }}}})") from None
     if "problem" not in fields:
-        raise ValueError(f"prompt template {template!r} has no {{problem}} field, e.g. \"{{problem}}\\n{{instruction}}\\n\"")
-    unknown = fields - {"problem", "instruction"}
-    if unknown:
+        raise ValueError(f"prompt template {template!r} has no {{problem}} field, e.g. "
+                         "\"{problem}\\n{instruction}\\n\"")
+    if unknown := fields - {"problem", "instruction"}:
         raise ValueError(f"prompt template {template!r} has unknown fields {sorted(unknown)} (allowed: {{problem}}, "
                          "{instruction}; write a literal brace as {{ or }})")
 
 
 def _format_of(template: str) -> str:
-    """The format string of a --prompt-template: for 'chat', the user turn with the R1 instruction; for
-    'chat:<format>', <format>; otherwise the template itself."""
-    if template == "chat":
-        return "{problem} {instruction}"
-    return template[len("chat:"):] if template.startswith("chat:") else template
+    """The format string of a --prompt-template: 'chat', 'chat:<format>' or a format string itself."""
+    return "{problem} {instruction}" if template == "chat" else template.removeprefix("chat:")
 
 
 def is_chat(template: str) -> bool:
@@ -129,49 +117,42 @@ def is_chat(template: str) -> bool:
 def prompt_text(problem: str, template: str) -> str:
     """The text a --prompt-template makes of a problem: the user turn's content for 'chat' / 'chat:<format>', the
     whole prompt for a raw format string. (A reward model reads this, formatted with its own tokenizer.)"""
-    user = _format_of(template)
-    _check_template(user)
+    _check_template(user := _format_of(template))
     # a shell passes "\n" typed in --prompt-template as backslash + n: it means a newline
     return user.replace("\\n", "\n").format(problem=problem, instruction=INSTRUCTION)
 
 
 def format_prompt(tokenizer, problem: str, template: str) -> list[int]:
-    """Token ids of the prompt for one problem; template as --prompt-template: "chat" or "chat:<format>" (the
-    tokenizer's chat template, the user turn from _format_of) or a format string with {problem}, optionally
-    {instruction}."""
+    """Token ids of one problem's prompt; template as --prompt-template: "chat" or "chat:<format>" (the tokenizer's
+    chat template around prompt_text) or a format string with {problem}, optionally {instruction}."""
     if is_chat(template):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this tokenizer has no chat template; pass a raw template instead, "
                              'e.g. --prompt-template "{problem}\\n{instruction}\\n"')
         messages = [{"role": "user", "content": prompt_text(problem, template)}]
         # return_dict=False: the token ids as a list (transformers 5's default is a BatchEncoding, 4.x's the list)
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return list(ids)
-
-    text = prompt_text(problem, template)
-    # add_special_tokens=True gives BOS to tokenizers that want it (Llama) and nothing to those
-    # that don't (Qwen). A few also append EOS, which would tell the model it is already done.
-    ids = tokenizer.encode(text, add_special_tokens=True)
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    # add_special_tokens=True gives BOS to tokenizers that want it (Llama) and nothing to those that don't (Qwen); a
+    # few also append EOS, which would tell the model it is already done
+    ids = tokenizer.encode(prompt_text(problem, template), add_special_tokens=True)
     eos = tokenizer.eos_token_id
     if ids and eos is not None and ids[-1] == eos and eos != tokenizer.bos_token_id:
         ids = ids[:-1]
     return list(ids)
 
 
-def encode_problems(tokenizer, problems: list[dict], template: str, max_prompt_len: int, name: str = "dataset") -> list[dict]:
-    """Each problem's dict (its other fields kept) plus "prompt_ids"; prompts over max_prompt_len tokens are
-    skipped, never cut."""
+def encode_problems(tokenizer, problems: list[dict], template: str, max_prompt_len: int,
+                    name: str = "dataset") -> list[dict]:
+    """Each problem's dict plus "prompt_ids", those within max_prompt_len tokens."""
     if not problems:
         raise ValueError(f"[data] {name}: no problems to encode")
     _check_template(_format_of(template))
-    encoded, n_skipped, longest = [], 0, 0
-    for p in problems:
-        ids = format_prompt(tokenizer, p["problem"], template)
-        longest = max(longest, len(ids))
-        if len(ids) > max_prompt_len:
-            n_skipped += 1  # a cut prompt would ask a different (or no) question
-            continue
-        encoded.append({"prompt_ids": ids, **p})
+    all_ids = [format_prompt(tokenizer, p["problem"], template) for p in problems]
+    longest = max(map(len, all_ids))
+    # a prompt too long is skipped, never cut: a cut one would ask a different (or no) question
+    encoded = [{"prompt_ids": ids, **p} for p, ids in zip(problems, all_ids) if len(ids) <= max_prompt_len]
+    n_skipped = len(problems) - len(encoded)
     if not encoded:
         raise ValueError(f"[data] {name}: all {len(problems)} prompts are longer than {max_prompt_len} tokens "
                          f"(longest {longest}); raise --max-prompt-len")
@@ -182,21 +163,13 @@ def encode_problems(tokenizer, problems: list[dict], template: str, max_prompt_l
 
 
 def load_task(model: str, dataset: str, eval_paths, template: str, max_prompt_len: int, eval_max_problems: int):
-    """(the model directory's tokenizer, the training problems, {evaluation set's name: its problems, at most
-    eval_max_problems of each (0: all)}), the problems encoded (encode_problems), and a line saying how many. The
-    scripts give the built-in task's model and files where the command line names none (tasks/builtin.py
-    with_builtin_task)."""
+    """(tokenizer, training problems, {eval set: at most eval_max_problems (0: all)}), encoded, and a line of counts."""
     tokenizer = AutoTokenizer.from_pretrained(model)
     problems = encode_problems(tokenizer, load_problems(dataset), template, max_prompt_len, dataset)
     eval_sets = {}
-    for path in eval_paths:
+    for path in eval_paths:  # eval/<file name without extension>/accuracy
         ps = encode_problems(tokenizer, load_problems(path), template, max_prompt_len, path)
-        eval_sets[eval_name(path)] = ps[:eval_max_problems] if eval_max_problems else ps
+        eval_sets[os.path.splitext(os.path.basename(path))[0]] = ps[:eval_max_problems] if eval_max_problems else ps
     print0(f"[data] {len(problems)} training problems; eval: "
            f"{', '.join(f'{k} ({len(v)})' for k, v in eval_sets.items()) or 'none'}")
     return tokenizer, problems, eval_sets
-
-
-def eval_name(path: str) -> str:
-    """eval/<name>/accuracy uses the file name without its extension."""
-    return os.path.splitext(os.path.basename(path))[0]

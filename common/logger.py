@@ -1,6 +1,5 @@
-"""Logging on rank 0: a progress bar, one readable line per step (ending with the elapsed time and eta_s), metrics.jsonl
-in the run directory, and wandb only with --track (offline without an account). Other ranks' logger writes nothing,
-but every rank calls it: a write that fails on rank 0 (a full disk) stops every rank with the same line (exit 3)."""
+"""Logging on rank 0: a progress bar, a readable line per step, metrics.jsonl, and wandb with --track (offline without
+an account). Every rank calls it: a write that fails on rank 0 (a full disk) stops every rank with one line (exit 3)."""
 import errno
 import json
 import math
@@ -17,6 +16,7 @@ from common.precision import TrainingFault
 LINE_KEYS = [("train/accuracy", "acc"), ("reward_model/score_mean", "rm"), ("train/response_len_mean", "len"),
              ("mismatch/kl_k3", "kl_k3"), ("policy/clip_frac", "clip"), ("optim/grad_norm", "gnorm"),
              ("optim/loss_scale", "scale"), ("time/step", "s")]
+CONFIG_RESUME = re.compile(r"^config_resume_(\d+)(?:_(\d+))?\.json$")  # the files record_config writes at a resume
 
 
 class LogWriteError(TrainingFault):
@@ -26,9 +26,7 @@ class LogWriteError(TrainingFault):
 class Logger:
     def __init__(self, run_dir: str, config: dict, enabled: bool, total_steps: int, start_step: int = 0,
                  track: bool = False, project: str = "rl-mismatch", run_name: str | None = None):
-        """Collective where a process group exists. A new run (start_step 0) writes its settings to config.json; a
-        resumed one to config_resume_<start_step>.json beside it (record_config): config.json keeps the settings
-        the run started with."""
+        """Collective where a process group exists; records the run's settings (record_config)."""
         self.enabled = enabled
         error = None
         if enabled:
@@ -67,38 +65,36 @@ class Logger:
             return
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
-        if advance:
-            now = time.monotonic()
-            self.intervals.append(now - self.t_last)
-            self.t_last = now
-            parts = [f"step {step}"] + [f"{short} {fmt(metrics[k])}" for k, short in LINE_KEYS if k in metrics]
-            parts.append(f"elapsed {fmt_duration(now - self.t_start)}")
-            left = eta_s(self.intervals, self.total_steps - step)
-            if left is not None:
-                parts.append(f"left ~{fmt_duration(left)}")
-            self.bar.write(" | ".join(parts))
-            self.bar.update(1)
-        else:
+        if not advance:
             self.bar.write(f"step {step} | " + " | ".join(f"{k} {fmt(v)}" for k, v in metrics.items()))
+            return
+        now = time.monotonic()
+        self.intervals.append(now - self.t_last)
+        self.t_last = now
+        parts = [f"step {step}"] + [f"{short} {fmt(metrics[k])}" for k, short in LINE_KEYS if k in metrics]
+        parts.append(f"elapsed {fmt_duration(now - self.t_start)}")
+        if (left := eta_s(self.intervals, self.total_steps - step)) is not None:
+            parts.append(f"left ~{fmt_duration(left)}")
+        self.bar.write(" | ".join(parts))
+        self.bar.update(1)
 
     def close(self) -> None:
-        if not self.enabled:
-            return
-        self.bar.close()
-        self.file.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        if self.enabled:
+            self.bar.close()
+            self.file.close()
+            if self.wandb is not None:
+                self.wandb.finish()
 
 
-def agree(error: str | None) -> None:
-    """Collective where a process group of several ranks exists: rank 0's error (None: its write succeeded) raised
-    as LogWriteError on every rank, so that no rank waits in a collective that rank 0 will never join."""
+def agree(error: str | None, exc: type[Exception] = LogWriteError) -> None:
+    """Collective where a process group of several ranks exists: the first failing rank's error raised as `exc` on
+    every rank, so that all stop with the same line and none waits in a collective the failing one never joins."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        shared = [error]
-        dist.broadcast_object_list(shared, src=0)
-        error = shared[0]
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
     if error:
-        raise LogWriteError(error)
+        raise exc(error)
 
 
 def write_error(e: OSError, path: str, when: str) -> str:
@@ -116,48 +112,36 @@ def write_row(file, data: bytes) -> None:
 
 
 def record_config(run_dir: str, config: dict, start_step: int) -> None:
-    """Write the run's settings, atomically: config.json for a new run; for a run resumed at step S,
-    config_resume_<S>.json (a second resume at S: ..._2.json), never over another record."""
-    if start_step == 0:
-        path = os.path.join(run_dir, "config.json")
-    else:
-        path = base = os.path.join(run_dir, f"config_resume_{start_step:06d}.json")
-        n = 1
-        while os.path.lexists(path):
-            n += 1
-            path = base.replace(".json", f"_{n}.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    """The settings, atomically: config.json, or config_resume_<S>.json (_2, ...) for a run resumed at step S."""
+    path = base = os.path.join(run_dir, f"config_resume_{start_step:06d}.json" if start_step else "config.json")
+    n = 1
+    while start_step and os.path.lexists(path):
+        n += 1
+        path = base.removesuffix(".json") + f"_{n}.json"
+    with open(path + ".tmp", "w") as f:
         json.dump(config, f, indent=2, default=str)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-CONFIG_RESUME = re.compile(r"^config_resume_(\d+)(?:_(\d+))?\.json$")  # the files record_config writes at a resume
+    os.replace(path + ".tmp", path)
 
 
 def open_metrics(path: str, start_step: int):
-    """metrics.jsonl for appending, unbuffered (each row one write: a failed write leaves nothing buffered to write
-    at exit). A resumed run keeps the rows up to its checkpoint's step and drops later ones, which a crash left
-    behind and the resumed run logs anew (a row torn by a crash mid-write, or a full disk, is dropped too; a last row
-    that lost only its newline gets it back). A fresh run moves an old file aside to .prev."""
-    if os.path.exists(path):
-        if start_step == 0:
-            os.replace(path, path + ".prev")
-            print(f"[log] {path} existed: moved to {path}.prev (use --resume latest to continue that run)")
-        else:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                lines = f.readlines()
-            keep = [line for line in lines if row_step(line) is not None and row_step(line) <= start_step]
-            if len(keep) < len(lines) or (keep and not keep[-1].endswith("\n")):
-                tmp = path + ".tmp"
-                with open(tmp, "w") as f:
-                    f.writelines(line if line.endswith("\n") else line + "\n" for line in keep)
-                os.replace(tmp, path)
-            if len(keep) < len(lines):
-                print(f"[log] dropped {len(lines) - len(keep)} rows of metrics.jsonl logged after step {start_step}, "
-                      "the checkpoint resumed from (or torn by a crash)")
+    """metrics.jsonl, unbuffered (a failed write leaves nothing to write at exit); a resumed run drops the rows after
+    its step and torn ones (a lost last newline is restored), a fresh run moves an old file aside to .prev."""
+    if os.path.exists(path) and start_step == 0:
+        os.replace(path, path + ".prev")
+        print(f"[log] {path} existed: moved to {path}.prev (use --resume latest to continue that run)")
+    elif os.path.exists(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+        keep = [line for line in lines if (s := row_step(line)) is not None and s <= start_step]
+        if len(keep) < len(lines) or (keep and not keep[-1].endswith("\n")):
+            with open(path + ".tmp", "w") as f:
+                f.writelines(line if line.endswith("\n") else line + "\n" for line in keep)
+            os.replace(path + ".tmp", path)
+        if len(keep) < len(lines):
+            print(f"[log] dropped {len(lines) - len(keep)} rows of metrics.jsonl logged after step {start_step}, "
+                  "the checkpoint resumed from (or torn by a crash)")
     return open(path, "ab", buffering=0)
 
 
@@ -180,14 +164,10 @@ def rows_after(metrics_path: str, step: int) -> list[str]:
 
 
 def eta_s(intervals: list[float], steps_left: int) -> float | None:
-    """Seconds left: steps_left times the mean of `intervals`, the wall times between this run's consecutive step
-    lines, leaving out the first (it carries one-time costs: compilation, CUDA graph capture, the initial evaluation,
-    a resume's loading). The intervals include the evaluations and checkpoints that fell between steps, which recur in
-    the rest of the run. None before a second step (there is no estimate yet)."""
+    """Seconds left: steps_left times the mean interval between step lines (evaluations and saves included, as they
+    recur), leaving out the first (one-time costs: compilation, the first evaluation, loading). None before a second."""
     later = intervals[1:]
-    if not later:
-        return None
-    return max(steps_left, 0) * sum(later) / len(later)
+    return max(steps_left, 0) * sum(later) / len(later) if later else None
 
 
 def fmt_duration(seconds: float) -> str:
@@ -195,9 +175,7 @@ def fmt_duration(seconds: float) -> str:
     s = int(seconds)
     if s < 60:
         return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def fmt(x) -> str:

@@ -1,6 +1,5 @@
-"""A step's metrics (StepStats: added where they are computed, reduced over all ranks once), the training-inference
-mismatch of every step (mismatch: the mismatch/* keys of docs/algorithms.md) and the early warning of collapse
-(MismatchMonitor)."""
+"""A step's metrics (StepStats), the training-inference mismatch (the mismatch/* keys of docs/algorithms.md) and the
+early warning of collapse (MismatchMonitor)."""
 import math
 import time
 from contextlib import contextmanager
@@ -10,17 +9,16 @@ import torch.distributed as dist
 
 
 class StepStats:
-    """One step's metrics on this rank: means (a total and a count), sums, maxima and minima, each added by its key
-    where it is computed (0-d tensors may stay on their device: nothing waits for the GPU before reduce), the
-    phases' seconds and GPU memory (phase), and values already global (set). reduce() gives the metrics of every
-    rank with two collectives (a sum, and a max that also takes the negated minima)."""
+    """One step's metrics on this rank, added where computed (0-d tensors may stay on their device: nothing waits for
+    the GPU before reduce): means, sums, maxima, minima, phases' seconds and memory, and values already global (set)."""
 
     def __init__(self, device):
         self.device = device
         self.totals, self.counts, self.maxes, self.mins, self.values = {}, {}, {}, {}, {}
         self.rates = {}  # key: (amount key, phase): amount summed over the ranks per second of this rank's phase
         self.t0 = time.perf_counter()
-        self._peak_reset()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
 
     def add(self, key: str, total, count=None) -> None:
         """A mean, total / count over all ranks (count None: the total itself, a sum)."""
@@ -28,8 +26,7 @@ class StepStats:
         if count is not None:
             self.counts[key] = self.counts.get(key, 0.0) + count
 
-    def update(self, means: dict) -> None:
-        """add() of each {key: (total, count)}: the statistics a loss returns."""
+    def update(self, means: dict) -> None:  # {key: (total, count)}, as a loss returns
         for key, (total, count) in means.items():
             self.add(key, total, count)
 
@@ -39,8 +36,7 @@ class StepStats:
     def min(self, key: str, value) -> None:
         self.mins.setdefault(key, []).append(value)
 
-    def set(self, key: str, value) -> None:
-        """A value that needs no reduction (the same on every rank, or rank 0's own)."""
+    def set(self, key: str, value) -> None:  # no reduction: the same on every rank, or rank 0's own
         self.values[key] = value
 
     def rate(self, key: str, amount, phase: str) -> None:
@@ -50,9 +46,8 @@ class StepStats:
 
     @contextmanager
     def phase(self, name: str):
-        """time/<name>, and on a GPU mem/<name>_peak_gib (PyTorch's peak allocation during it) and mem/<name>_used_gib
-        (the device's memory in use at its end, other allocators' such as vLLM's included) unless memory(name)
-        recorded them earlier in the phase."""
+        """time/<name>, and on a GPU mem/<name>_peak_gib (PyTorch's peak allocation) and mem/<name>_used_gib (the
+        device's memory in use at its end, vLLM's included) unless memory(name) recorded them earlier in the phase."""
         t0 = time.perf_counter()
         yield
         if f"mem/{name}_used_gib" not in self.values:
@@ -65,16 +60,11 @@ class StepStats:
             free, total = torch.cuda.mem_get_info(self.device)
             self.values[f"mem/{name}_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             self.values[f"mem/{name}_used_gib"] = (total - free) / 2**30
-        self._peak_reset()
-
-    def _peak_reset(self) -> None:
-        if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def reduce(self, all_ranks: bool = True) -> dict:
-        """Collective: every metric, over all ranks (all_ranks=False: this process's alone, no collective); time/step
-        from construction to here. A mean over nothing (its count 0) and a maximum or minimum of nothing (-inf, inf)
-        are NaN, never a number that looks measured."""
+        """Collective (two: a sum, a max of maxima and negated minima): every metric over all ranks (all_ranks=False:
+        this rank's); time/step since construction. A mean, max or min of nothing is NaN, never a measured-looking 0."""
         means, sums = sorted(self.counts), sorted(k for k in self.totals if k not in self.counts)
         hi, lo = sorted(self.maxes), sorted(self.mins)
         s = torch.tensor([float(self.totals[k]) for k in means + sums] + [float(self.counts[k]) for k in means],
@@ -85,8 +75,7 @@ class StepStats:
             dist.all_reduce(s)
             dist.all_reduce(m, op=dist.ReduceOp.MAX)
         s, m = s.tolist(), m.tolist()
-        n = len(means)
-        nan = float("nan")
+        n, nan = len(means), float("nan")
         out = {k: s[i] / s[n + len(sums) + i] if s[n + len(sums) + i] else nan for i, k in enumerate(means)}
         out.update((k, s[n + i]) for i, k in enumerate(sums))
         out.update((k, m[i] if m[i] != -math.inf else nan) for i, k in enumerate(hi))
@@ -99,9 +88,8 @@ class StepStats:
 
 
 def mismatch(stats: StepStats, old_logp_BT: torch.Tensor, mu_logp_BT: torch.Tensor, mask_BT: torch.Tensor) -> None:
-    """The mismatch/* keys (docs/algorithms.md) of these sequences into stats: old_logp the trainer's pi_old, mu_logp
-    the sampler's own log-probs, both fp32, B x T on the same device, mask_BT bool. Any set of whole sequences: the
-    rollout batch, or one micro-batch at a time (their sums add up)."""
+    """The mismatch/* keys (docs/algorithms.md) into stats: old_logp the trainer's pi_old, mu_logp the sampler's, fp32
+    B x T on one device, mask_BT bool. Any set of whole sequences: micro-batches' sums add up to the batch's."""
     m = mask_BT.float()
     n_tok, n_seq = m.sum(), float(mask_BT.shape[0])
     d = (old_logp_BT - mu_logp_BT) * m  # log pi_old - log mu, 0 off the mask
@@ -124,11 +112,8 @@ def mismatch(stats: StepStats, old_logp_BT: torch.Tensor, mu_logp_BT: torch.Tens
 
 def reference_kl(stats: StepStats, old_logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor | None,
                  mask_BT: torch.Tensor) -> None:
-    """The kl_ref/* keys of a run with --kl-coef into stats: how far pi_old, the policy that sampled the batch, has
-    moved from the frozen reference, over every response token (samples of pi_old): kl_ref/kl_k1 the mean log ratio
-    mean_t (old_logp - ref_logp), kl_ref/kl_k3 mean_t (exp(d) - 1 - d), d = ref_logp - old_logp, the non-negative
-    unbiased k3 estimate of KL(pi_old || ref). B x T fp32 on one device, mask_BT bool; ref_logp_BT None (no
-    --kl-coef): nothing."""
+    """The kl_ref/* keys (with --kl-coef; None: nothing) into stats: KL(pi_old || ref) over the response tokens,
+    samples of pi_old: k1 the mean of old_logp - ref_logp, k3 the mean of exp(d) - 1 - d, d = ref_logp - old_logp."""
     if ref_logp_BT is None:
         return
     m = mask_BT.float()
@@ -138,8 +123,8 @@ def reference_kl(stats: StepStats, old_logp_BT: torch.Tensor, ref_logp_BT: torch
 
 
 class MismatchMonitor:
-    """Early warning of collapse: the mean kl_k3 of the last `window` steps over that of the first `window` (floored at
-    `floor`), a warning past `factor` (docs/algorithms.md, "The collapse warning"). Its state goes into checkpoints."""
+    """Early warning of collapse: mean kl_k3 of the last `window` steps over that of the first (floored at `floor`), a
+    warning past `factor` (docs/algorithms.md, "The collapse warning"). Its state goes into checkpoints."""
 
     def __init__(self, factor: float, window: int, floor: float = 1e-6, exact: bool = False):
         self.factor, self.window, self.floor, self.exact = factor, window, floor, exact
@@ -148,8 +133,7 @@ class MismatchMonitor:
         self.warning = False
 
     def update(self, step_metrics: dict) -> tuple[dict, str | None]:
-        """Metrics for this step (from its mismatch/* metrics), and a message when the warning switches on or off, or
-        in exact mode (exact=True) at every step whose log-probs were not all equal to the sampler's."""
+        """This step's metrics, and a message when the warning switches, or with exact on any unequal log-prob."""
         out, message = self._growth(step_metrics["mismatch/kl_k3"])
         unequal = step_metrics.get("mismatch/unequal_tokens", 0)
         if self.exact and unequal:

@@ -1,6 +1,5 @@
-"""Checks made before the first step, each to fail early with one line rather than late with a traceback: a model
-directory that cannot load (check_model_dir), a run directory that some rank cannot see (check_shared_dir), a model
-whose activations overflow the train or rollout precision (check_forward_range; docs/algorithms.md, "Range checks")."""
+"""Checks before the first step, to fail early with one line rather than late with a traceback: a model directory
+that cannot load, a run directory some rank cannot see, activations that overflow the train or rollout precision."""
 import json
 import math
 import os
@@ -24,9 +23,8 @@ def not_json(e: json.JSONDecodeError | UnicodeDecodeError) -> str:
 
 
 def check_model_dir(path: str, flag: str = "--model") -> None:
-    """Fail fast, before anything is loaded, on a model path that cannot be a Hugging Face model directory: the
-    directory, its config.json, its tokenizer files, every JSON file of it parsed, its safetensors weights complete.
-    flag names the path in the messages (--model; --resume for a checkpoint, which is loaded as one)."""
+    """Fail before anything loads on a path that cannot be a Hugging Face model directory: its config.json, tokenizer
+    files, every JSON file parsed, safetensors weights complete. flag names the path (--model; --resume)."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{flag} {path!r}: no such directory (give a local Hugging Face model directory)")
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -72,8 +70,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 
 def check_shared_dir(path: str, device) -> None:
-    """Collective. Raises ValueError, on every rank, when one does not see a file rank 0 has just written into `path`:
-    checkpoints need a filesystem every rank sees (docs/scale.md, Shared filesystem)."""
+    """Collective. ValueError on every rank when one does not see a file rank 0 wrote into `path` (docs/scale.md)."""
     if dist.get_world_size() == 1:
         return
     token = [secrets.token_hex(8) if dist.get_rank() == 0 else None]
@@ -102,11 +99,8 @@ def check_shared_dir(path: str, device) -> None:
 @torch.no_grad()
 def check_forward_range(model, prompts: list[list[int]], pad_id: int, device, train: torch.dtype,
                         rollout: torch.dtype, chunk_size: int) -> dict:
-    """Collective (one forward under FSDP on every rank): the trainer's forward on this rank's first prompts records
-    the largest |activation| after the embedding and every decoder layer (docs/algorithms.md, "Range checks"). Raises
-    ValueError when the train or rollout precision cannot hold them or the log-probs are not finite, naming the first
-    layer at fault and the precisions whose range does. Returns {layer name: largest |activation| over all ranks}.
-    model: the FSDP root (common.logprobs.PolicyModel)."""
+    """Collective: the largest |activation| after the embedding and each decoder layer on this rank's first prompts,
+    {layer: peak over all ranks}; ValueError past the train or rollout precision (docs/algorithms.md, Range checks)."""
     lm = model.lm
     named = [(f"{lm.base_model_prefix}.embed_tokens", lm.get_input_embeddings())]
     named += [(f"{lm.base_model_prefix}.layers.{i}", layer) for i, layer in enumerate(decoder_layers(lm))]
@@ -127,8 +121,8 @@ def check_forward_range(model, prompts: list[list[int]], pad_id: int, device, tr
     finally:
         for h in handles:
             h.remove()
-    peaks = reduce_stats(peaks, "max", device)
-    finite = reduce_stats({"nonfinite": float(not finite)}, "max", device)["nonfinite"] == 0
+    peaks = reduce_stats({**peaks, "nonfinite": float(not finite)}, "max", device)  # (one collective)
+    finite = peaks.pop("nonfinite") == 0
     top = max(peaks.values())
     fmax = {name: torch.finfo(dtype).max for name, dtype in DTYPES.items()}
     for side, dtype in (("training", train), ("rollouts", rollout)):
