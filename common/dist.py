@@ -62,7 +62,8 @@ def cleanup_distributed(barrier: bool = True) -> None:
             dist.barrier()
         dist.destroy_process_group()
     gc.collect()  # main()'s model and optimizer (FSDP modules are reference cycles)
-    for mesh in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:
+    # type(o), not isinstance: isinstance reads o.__class__, which on torch.distributed.reduce_op prints a FutureWarning
+    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
         getattr(mesh, "_pg_registry", {}).clear()  # (a private attribute: getattr, for torch versions without it)
     gc.collect()
 
