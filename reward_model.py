@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from common.data import is_chat
+from common.data import is_chat, prompt_text
+from common.dist import print0, reduce_stats
 from common.logprobs import split_microbatches
 from common.precision import DTYPES
 from common.preflight import check_model_dir
@@ -307,7 +308,93 @@ class RewardModel:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# what a script uses
+# what a script uses: the learned reward of common.rewards.Reward
+
+
+class RunningMeanStd:
+    """Mean and variance of every value seen so far, merged a batch at a time in float64 (Chan, Golub and LeVeque's
+    parallel update, "Updating formulae and a pairwise algorithm for computing sample variances", 1979)."""
+
+    def __init__(self):
+        self.count, self.mean, self.m2 = 0.0, 0.0, 0.0  # m2: sum of squared deviations from the mean
+
+    def update(self, n: float, total: float, total_sq: float) -> None:
+        """Merge a batch given by its count, sum and sum of squares (sums over all ranks: common.dist.reduce_stats)."""
+        if n > 0:
+            count, delta = self.count + n, total / n - self.mean
+            self.m2 += max(total_sq - n * (total / n) ** 2, 0.0) + delta ** 2 * self.count * n / count
+            self.mean += delta * n / count
+            self.count = count
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / self.count) if self.count else 0.0
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count, self.mean, self.m2 = float(state["count"]), float(state["mean"]), float(state["m2"])
+
+
+class LearnedReward:
+    """The reward model's score as the reward that trains (common.rewards.Reward holds one with --reward-model),
+    normalized and clipped per --rm-*. A cut or failed response gets the step's lowest reward over all ranks, or
+    truncated_reward when lower: docs/reward-models.md, "Using one: the flags"."""
+    said_failed = False  # a failed score is reported once per process
+
+    def __init__(self, model, flags: RewardModelFlags, truncated_reward: float, device, template: str):
+        """model: a scorer, score(prompts, responses) -> list[float] (a RewardModel)."""
+        self.model, self.flags, self.truncated_reward, self.device = model, flags, truncated_reward, device
+        self.template = template
+        self.norm = RunningMeanStd() if flags.rm_normalize else None
+
+    def score(self, stats, problems: list[str], responses: list[str], finished: list[bool]) -> tuple[list[float], int]:
+        """Collective. (the rewards, failed scores) of decoded responses to `problems` (each one's problem text,
+        before --prompt-template); the reward_model/* keys into stats."""
+        todo = [i for i, done in enumerate(finished) if done]
+        raw = self.model.score([prompt_text(problems[i], self.template) for i in todo], [responses[i] for i in todo])
+        ok = [(i, x) for i, x in zip(todo, raw) if math.isfinite(x)]
+        if len(ok) < len(todo) and not self.said_failed:
+            LearnedReward.said_failed = True
+            print(f"[reward] the reward model scored {len(todo) - len(ok)} of {len(todo)} responses "
+                  f"{next(x for x in raw if not math.isfinite(x))} (given the step's lowest reward, counted in "
+                  "train/reward_failures; reported once)", file=sys.stderr, flush=True)
+        values = [x for _, x in ok]
+        g = reduce_stats({"n": len(values), "sum": math.fsum(values), "sq": math.fsum(x * x for x in values)}, "sum",
+                         self.device)
+        hi = reduce_stats({"max": max(values, default=-math.inf), "neg_min": -min(values, default=math.inf)}, "max",
+                          self.device)
+        n, mean = g["n"], g["sum"] / g["n"] if g["n"] else math.nan  # (NaN when no response was scored)
+        stats.set("reward_model/score_mean", mean)
+        stats.set("reward_model/score_std", math.sqrt(max(g["sq"] / n - mean ** 2, 0.0)) if n else math.nan)
+        stats.set("reward_model/score_max", hi["max"] if n else math.nan)
+        stats.set("reward_model/score_min", -hi["neg_min"] if n else math.nan)
+        lowest = -hi["neg_min"]  # the step's lowest score, every rank's (inf when none): normalizing and clipping
+        if self.norm is not None:  # keep the order, so it becomes the lowest reward
+            self.norm.update(n, g["sum"], g["sq"])  # every rank's scores of this step enter the running statistics
+            scale = math.sqrt(self.norm.m2 / max(self.norm.count, 1.0) + 1e-8)
+            values = [(x - self.norm.mean) / scale for x in values]
+            lowest = (lowest - self.norm.mean) / scale
+            stats.set("reward_model/running_mean", self.norm.mean)
+            stats.set("reward_model/running_std", self.norm.std)
+        if (c := self.flags.rm_clip) > 0:
+            stats.add("reward_model/clip_frac", float(sum(abs(x) > c for x in values)), len(values))
+            values = [min(max(x, -c), c) for x in values]
+            lowest = min(max(lowest, -c), c)
+        # a cut or failed response: never above a scored one, on the rewards' own scale (the class docstring)
+        rewards = [min(self.truncated_reward, lowest) if n else self.truncated_reward] * len(finished)
+        for (i, _), x in zip(ok, values):
+            rewards[i] = x
+        return rewards, len(todo) - len(ok)
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs: the running mean and std of the scores (empty without --rm-normalize)."""
+        return {"running": self.norm.state_dict()} if self.norm is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.norm is not None and "running" in state:
+            self.norm.load_state_dict(state["running"])
 
 
 @dataclass(frozen=True)
@@ -317,8 +404,23 @@ class Learned:
     flags: RewardModelFlags
     fmt: str  # the input format, 'chat' or 'raw' (check_reward_model)
 
-    def load(self, precision: str, device) -> RewardModel:
-        return RewardModel(self.flags.reward_model, self.fmt, precision, device, self.flags.rm_batch_tokens)
+    def load(self, kind: str, truncated_reward: float, tokenizer, device, template: str, precision: str,
+             probe: list[dict] = ()) -> LearnedReward:
+        """The reward model loaded (in --rm-precision, else the train precision `precision`) and said in a line; probe:
+        a few problems ({problem, answer}) whose answers it scores at once: a ValueError here, before training, when it
+        gives nan or inf."""
+        flags, precision = self.flags, self.flags.rm_precision or precision
+        model = RewardModel(flags.reward_model, self.fmt, precision, device, flags.rm_batch_tokens)
+        on = " and ".join(w for w, yes in (("normalized", flags.rm_normalize), ("clipped", flags.rm_clip > 0)) if yes)
+        print0(f"[reward] learned reward: {model.describe(tokenizer)}; --reward {kind} measures train/accuracy "
+               "and the evaluation; a response cut at the length limit or whose score fails gets the step's lowest "
+               f"reward{f' ({on})' if on else ''}, or --truncated-reward {truncated_reward:g} when that is lower")
+        scores = model.score([prompt_text(p["problem"], template) for p in probe], [p["answer"] for p in probe])
+        if bad := [x for x in scores if not math.isfinite(x)]:
+            raise ValueError(f"--reward-model {flags.reward_model!r}: its forward gives {bad[0]} on {len(bad)} of "
+                             f"{len(scores)} probe inputs (the first problems with their answers) in {precision}: "
+                             "check its weights, or try --rm-precision fp32")
+        return LearnedReward(model, flags, truncated_reward, device, template)
 
 
 def check_run(args) -> Learned:

@@ -2,9 +2,8 @@
 
 Each check goes to a persistent worker (this very file run as a script, JSON lines over pipes); a SIGALRM timer in
 the worker stops slow Python code, and a worker that still has not answered shortly after is killed and replaced.
-Why processes, and why not multiprocessing or concurrent.futures: docs/faults.md, "Rewards that fail".
-common/rewards.py decides what a reward is and calls check_math / call_plugin here; this file never imports it (a
-worker runs it with nothing of the repository on its import path).
+Why processes, and why not multiprocessing or concurrent.futures: docs/faults.md, "Rewards that fail". This file never
+imports common/rewards.py (a worker runs it with nothing of the repository on its import path).
 """
 import atexit
 import importlib
@@ -19,7 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
-from functools import lru_cache
+from contextlib import suppress
 
 NUM_WORKERS = min(8, os.cpu_count() or 1)  # processes (and threads of common/rewards.py's score_rollout)
 _KILL_GRACE_S = 1.0  # extra wait past the in-worker timer before we kill the worker
@@ -28,45 +27,18 @@ IMPORT_TIMEOUT_S = 60.0  # a plug-in's module must import within this, in a work
 _WORKER_MEM_BYTES = 4 << 30  # address-space cap per worker: a runaway bignum gets MemoryError, not the OOM killer
 
 
-# ----------------------------------------------------------------------------
-# plug-in rewards: found, loaded and called
-
-
 class RewardFunctionError(Exception):
-    """A plug-in reward call failed in its worker; type_name says how (the type of the exception raised there)."""
+    """A plug-in reward failed in its worker; type_name says how (the type of the exception raised there)."""
 
     def __init__(self, type_name: str, message: str):
         super().__init__(message)
         self.type_name = type_name
 
 
-def plugin_path() -> list[str]:
-    """Where a worker looks for a plug-in's module, after its own sys.path: this process's (absolute, since the
-    worker is started with -P and a relative entry means this process's cwd) and the current directory."""
-    return [os.path.abspath(p) for p in sys.path] + [os.getcwd()]
-
-
-def load_plugin(spec: str):
-    """The function of a "module:function" spec (in the parent, to check it; in a worker, to call it)."""
-    module_name, fn_name = spec.split(":")
-    importlib.invalidate_caches()  # the module may have been written after this process last imported something
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 -- a missing module, a SyntaxError, an error in its top-level code
-        raise ImportError(f"cannot import {module_name} ({type(e).__name__}: {e})") from e
-    if not hasattr(module, fn_name):
-        raise AttributeError(f"module {module_name} has no attribute {fn_name}")
-    fn = getattr(module, fn_name)
-    if not callable(fn):
-        raise TypeError(f"{module_name}.{fn_name} is not callable (it is a {type(fn).__name__})")
-    return fn
-
-
 def check_plugin(spec: str) -> None:
     """Import the plug-in's module and find its function in a worker, as the calls will: RewardFunctionError if that
-    fails or does not finish within IMPORT_TIMEOUT_S (a module that waits on something at import cannot hang the
-    training process: it never imports the module itself)."""
-    reply = _ask({"kind": "load", "spec": spec, "path": plugin_path()}, 0, lambda r: r == "loaded" or r[:1] == "{")
+    fails or takes over IMPORT_TIMEOUT_S (never imported here: a module that hangs cannot hang the trainer)."""
+    reply = _ask({"kind": "load", "spec": spec}, 0, lambda r: r == "loaded" or r[:1] == "{")
     if reply is None or reply == "import-timeout":
         raise _import_timeout(spec)
     if reply != "loaded":
@@ -83,8 +55,7 @@ def _import_timeout(spec: str) -> RewardFunctionError:
 def call_plugin(spec: str, response: str, answer: str, timeout_s: float) -> float:
     """fn(response, answer) of the plug-in, called in a worker; RewardFunctionError if the call raised, ran past
     timeout_s or returned a non-number."""
-    job = {"kind": "plugin", "spec": spec, "path": plugin_path(), "response": str(response), "answer": str(answer),
-           "timeout": timeout_s}
+    job = {"kind": "plugin", "spec": spec, "response": str(response), "answer": str(answer), "timeout": timeout_s}
     reply = _ask(job, timeout_s + _KILL_GRACE_S, lambda r: r == "timeout" or r.startswith("{"))
     if reply == "import-timeout":
         raise _import_timeout(spec)
@@ -99,10 +70,13 @@ def call_plugin(spec: str, response: str, answer: str, timeout_s: float) -> floa
     return out["score"]
 
 
-# ----------------------------------------------------------------------------
+def check_math(pred: str, gold: str, timeout_s: float) -> float | None:
+    """Ask a worker whether pred == gold: 1.0 / 0.0, or None if it timed out."""
+    job = {"kind": "math", "pred": pred, "gold": gold, "timeout": timeout_s}
+    return {"1": 1.0, "0": 0.0}.get(_ask(job, timeout_s + _KILL_GRACE_S, lambda r: r in ("0", "1", "timeout")))
+
+
 # parent side: a pool of worker processes
-
-
 _idle = queue.SimpleQueue()  # workers ready for a job; one job per worker at a time
 _live = set()  # every worker not yet killed, so we can clean up at exit
 _live_lock = threading.Lock()
@@ -116,7 +90,7 @@ def _start_worker() -> subprocess.Popen:
     proc.plugins = set()  # the plug-in specs this worker has imported
     with _live_lock:
         _live.add(proc)
-    if _read_line(proc, _START_TIMEOUT_S) != "ready":
+    if _reply(proc, _START_TIMEOUT_S) != "ready":
         _kill(proc)
         raise RuntimeError("reward worker failed to start (is math-verify installed? see stderr above)")
     return proc
@@ -132,36 +106,28 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def _close_pipes(proc: subprocess.Popen) -> None:
     for f in (proc.stdin, proc.stdout):
-        try:
+        with suppress(OSError):
             f.close()
-        except OSError:
-            pass
 
 
 @atexit.register
 def kill_all() -> None:
     """Kill every worker (at exit; on Ctrl-C, so that the threads waiting on them return at once)."""
+    global _idle
     with _live_lock:
         procs = list(_live)
     for proc in procs:
         _kill(proc)
-    while True:  # the idle ones are dead now: a later job starts a fresh worker
-        try:
-            _idle.get_nowait()
-        except queue.Empty:
-            break
+    _idle = queue.SimpleQueue()  # the idle ones are dead now: a later job starts a fresh worker
 
 
 def kill_now() -> None:
-    """SIGKILL every worker, without a lock or a wait: for a process that ends at once (a second Ctrl-C, which may
-    have interrupted kill_all itself, holding its lock). Otherwise a worker in the middle of a check would outlive
-    the trainer and print a BrokenPipeError when it answers. (A worker in _live has not been waited for: its pid is
-    still its own.)"""
+    """SIGKILL every worker, without a lock or a wait, for a process that ends at once (a second Ctrl-C, which may
+    have interrupted kill_all holding its lock): else a worker mid-check outlives the trainer and prints a
+    BrokenPipeError when it answers. (A worker in _live has not been waited for: its pid is still its own.)"""
     for proc in _live.copy():  # (one call under the GIL: no other thread changes the set half-way)
-        try:
+        with suppress(OSError):
             os.kill(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def _forget_workers() -> None:
@@ -176,45 +142,43 @@ def _forget_workers() -> None:
 os.register_at_fork(after_in_child=_forget_workers)
 
 
-def _read_line(proc: subprocess.Popen, timeout_s: float) -> str | None:
-    """One line from the worker, or None if it has not answered in time / has died."""
+def _reply(proc: subprocess.Popen, wait_s: float, job: dict | None = None) -> str | None:
+    """Send the job (if any), then one line from the worker, or None if it has not answered in time / has died."""
+    if job is not None:
+        proc.stdin.write(json.dumps(job) + "\n")
+        proc.stdin.flush()
     # poll, unlike select, has no limit on fd numbers (big training processes open many files).
     # There is never more than one reply in flight, so Python's read buffer is empty here.
     poller = select.poll()
     poller.register(proc.stdout, select.POLLIN)
-    if not poller.poll(max(0, int(timeout_s * 1000))):
+    if not poller.poll(max(0, int(wait_s * 1000))):
         return None
     line = proc.stdout.readline()  # "" if the worker died
     return line.strip() if line.endswith("\n") else None
 
 
 def _ask(job: dict, wait_s: float, valid) -> str | None:
-    """Send one job to an idle worker (a fresh one if none is idle) and return its reply line, or None if it did
-    not answer within wait_s or died. valid(reply) says whether the worker is in a state to be reused. A plug-in's
-    job first has the worker import the module ("loaded", an error reply, or "import-timeout"), which a job of kind
-    "load" asks for alone."""
+    """Send one job to an idle worker (a fresh one if none is) and return its reply line, or None if it did not answer
+    within wait_s or died; valid(reply): may the worker be reused. A plug-in's job first has the worker import the
+    module ("loaded", an error reply, or "import-timeout"), which a job of kind "load" asks for alone."""
     try:
         proc = _idle.get_nowait()
     except queue.Empty:
         proc = _start_worker()
-    spec = job.get("spec")
-    reply = None
+    spec, reply = job.get("spec"), None
     try:
         if spec is not None and spec not in proc.plugins:
-            # a request of its own, under its own time limit (the worker's timer, then our deadline), so that the
-            # call's time limit is the call's. One request at a time keeps one reply line in flight.
-            reply = _send(proc, {"kind": "load", "spec": spec, "path": job["path"], "timeout": IMPORT_TIMEOUT_S},
-                          IMPORT_TIMEOUT_S + _KILL_GRACE_S)
+            # a request of its own (one reply line in flight) under its own time limit (the worker's timer, then our
+            # deadline), so that the call's time limit is the call's. The worker looks, after its own sys.path, in
+            # ours (absolute: it runs with -P, where a relative entry means our cwd), then in the current directory.
+            path = [os.path.abspath(p) for p in sys.path] + [os.getcwd()]
+            reply = _reply(proc, IMPORT_TIMEOUT_S + _KILL_GRACE_S,
+                           {"kind": "load", "spec": spec, "path": path, "timeout": IMPORT_TIMEOUT_S})
             if reply != "loaded":
                 return reply  # the import failed there (an error reply), timed out, or the worker is stuck or dead
             proc.plugins.add(spec)
-            if job["kind"] == "load":
-                return reply
-            reply = None
-        elif job["kind"] == "load":
-            reply = "loaded"
-            return reply
-        reply = _send(proc, job, wait_s)
+        reply = None  # (until the job's reply is in: an interrupted worker is never reused)
+        reply = "loaded" if job["kind"] == "load" else _reply(proc, wait_s, job)
     except OSError:  # broken pipe: the worker had died
         pass
     finally:
@@ -225,26 +189,9 @@ def _ask(job: dict, wait_s: float, valid) -> str | None:
     return reply
 
 
-def _send(proc: subprocess.Popen, job: dict, wait_s: float) -> str | None:
-    proc.stdin.write(json.dumps(job) + "\n")
-    proc.stdin.flush()
-    return _read_line(proc, wait_s)
-
-
-def check_math(pred: str, gold: str, timeout_s: float) -> float | None:
-    """Ask a worker whether pred == gold: 1.0 / 0.0, or None if it timed out."""
-    job = {"kind": "math", "pred": pred, "gold": gold, "timeout": timeout_s}
-    reply = _ask(job, timeout_s + _KILL_GRACE_S, lambda r: r in ("0", "1", "timeout"))
-    return {"1": 1.0, "0": 0.0}.get(reply)
-
-
-# ----------------------------------------------------------------------------
 # worker side (this file run as a script)
-
-
 class _CheckTimeout(BaseException):
-    # BaseException, so math-verify's `except Exception` cannot swallow it and carry on
-    pass
+    """BaseException, so math-verify's `except Exception` cannot swallow it and carry on."""
 
 
 def _on_alarm(signum, frame):
@@ -260,42 +207,45 @@ def _timed(seconds: float, fn, *args):
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-@lru_cache(maxsize=1)
-def _latex_config():
-    from math_verify import LatexExtractionConfig
-
-    return [LatexExtractionConfig(boxed_match_priority=0)]
-
-
 def _verify_here(pred: str, gold: str) -> bool:
-    from math_verify import parse, verify
-
-    # Wrap both sides in \boxed{} and parse them as LaTeX only: a bare "\frac12" or "2\sqrt{2}"
-    # given to parse() with its default settings is not found / read as "2", and its plain-
-    # expression extractor could pull a stray number out of a garbled answer. math-verify's
-    # own timeouts are off (None): our SIGALRM timer bounds the whole check instead.
-    config = _latex_config()
-    gold_parsed = parse("\\boxed{" + gold + "}", extraction_config=config, parsing_timeout=None)
-    pred_parsed = parse("\\boxed{" + pred + "}", extraction_config=config, parsing_timeout=None)
-    if not gold_parsed or not pred_parsed:
-        return False
-    return verify(gold_parsed, pred_parsed, timeout_seconds=None)
+    from math_verify import LatexExtractionConfig, parse, verify
+    # Both sides wrapped in \boxed{} and parsed as LaTeX only: parse() with its default settings misses a bare
+    # "\frac12" or reads "2\sqrt{2}" as "2", and its plain-expression extractor could pull a stray number out of a
+    # garbled answer. math-verify's own timeouts are off (None): our SIGALRM timer bounds the whole check instead.
+    config = [LatexExtractionConfig(boxed_match_priority=0)]
+    gold_p, pred_p = (parse("\\boxed{" + s + "}", extraction_config=config, parsing_timeout=None) for s in (gold, pred))
+    return bool(gold_p and pred_p) and verify(gold_p, pred_p, timeout_seconds=None)
 
 
 _plugins = {}  # spec -> function, in a worker
 
 
-def _plugin_job_here(job: dict) -> str:
-    """The reply to a plug-in job: "loaded" (kind load) or the score as {"score": float} (kind plugin); else
-    {"error": type name, "message": ...}, or "timeout"."""
+def _load_plugin(spec: str):
+    """The function of a "module:function" spec."""
+    module_name, fn_name = spec.split(":")
+    importlib.invalidate_caches()  # the module may have been written after this process last imported something
     try:
-        if job["spec"] not in _plugins:
-            sys.path.extend(p for p in job["path"] if p not in sys.path)  # at the end: the stdlib is never shadowed
-            try:
-                _plugins[job["spec"]] = _timed(job.get("timeout", _START_TIMEOUT_S), load_plugin, job["spec"])
-            except _CheckTimeout:
-                return "import-timeout"  # (the parent kills this worker: an import stopped half-way)
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 -- a missing module, a SyntaxError, an error in its top-level code
+        raise ImportError(f"cannot import {module_name} ({type(e).__name__}: {e})") from e
+    if not hasattr(module, fn_name):
+        raise AttributeError(f"module {module_name} has no attribute {fn_name}")
+    if not callable(fn := getattr(module, fn_name)):
+        raise TypeError(f"{module_name}.{fn_name} is not callable (it is a {type(fn).__name__})")
+    return fn
+
+
+def _plugin_job_here(job: dict) -> str:
+    """The reply to a plug-in job: "loaded" (kind load) or {"score": float} (kind plugin); else {"error": type name,
+    "message": ...}, "timeout" or "import-timeout"."""
+    try:
         if job["kind"] == "load":
+            if job["spec"] not in _plugins:
+                sys.path.extend(p for p in job["path"] if p not in sys.path)  # at the end: the stdlib is never shadowed
+                try:
+                    _plugins[job["spec"]] = _timed(job["timeout"], _load_plugin, job["spec"])
+                except _CheckTimeout:
+                    return "import-timeout"  # (the parent kills this worker: an import stopped half-way)
             return "loaded"
         score = _timed(job["timeout"], _plugins[job["spec"]], job["response"], job["answer"])
         if not isinstance(score, numbers.Real):  # bool, int, float, numpy scalars
@@ -317,12 +267,10 @@ def _worker_main() -> None:
     sys.stdout = sys.stderr
     # math-verify logs whole responses on timeouts/errors; that would flood the training log
     logging.getLogger("math_verify").setLevel(logging.CRITICAL + 1)
-    try:
+    with suppress(ImportError, ValueError, OSError):
         import resource
 
         resource.setrlimit(resource.RLIMIT_AS, (_WORKER_MEM_BYTES, _WORKER_MEM_BYTES))
-    except (ImportError, ValueError, OSError):
-        pass
     import math_verify  # noqa: F401  (pay the slow import before saying ready)
 
     signal.signal(signal.SIGALRM, _on_alarm)

@@ -15,8 +15,9 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from common.metrics import StepStats
-from common.rewards import Reward, RewardModelFlags, RunningMeanStd, exact_match_reward
-from reward_model import Learned, RewardModel, check_reward_model, rm_input_ids, sequence_scores
+from common.rewards import Reward, RewardModelFlags, exact_match_reward
+from reward_model import (Learned, LearnedReward, RewardModel, RunningMeanStd, check_reward_model, rm_input_ids,
+                          sequence_scores)
 from tasks.reward_model import (accumulate_gradients, bradley_terry_loss, encode_pairs, read_pairs, split_by_prompt,
                                  train_reward_model)
 from conftest import SCRIPTS, assert_close_to_rounding, fp32_rounding_bound
@@ -464,8 +465,8 @@ def _normalize_on_rank(rank, port, values, out):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     reward = step_reward("exact", 0.0, RewardModelFlags())
-    reward.model, reward.learned = ListScorer(), RewardModelFlags(reward_model="x", rm_normalize=True)
-    reward.norm = RunningMeanStd()
+    reward.learned = LearnedReward(ListScorer(), RewardModelFlags(reward_model="x", rm_normalize=True), 0.0, CPU,
+                                   "{problem}")
     mine = values[rank] + [0.0]  # and a cut response, not scored
     rewards, _, _, m = score(reward, ["1+1="] * len(mine), [str(v) for v in mine], ["2"] * len(mine),
                              [True] * (len(mine) - 1) + [False])
