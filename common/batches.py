@@ -1,6 +1,5 @@
-"""A step's batch: which problems it trains on (batch_problems), what the sampler returns (Rollout, the samplers'
-shared output: docs/samplers.md), and how its sequences are cut into mini- and micro-batches; the same in every
-script."""
+"""A step's batch, the same in every script: which problems it trains on (batch_problems), what the sampler returns
+(Rollout, the samplers' shared output: docs/samplers.md), and how its sequences are cut into mini- and micro-batches."""
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,9 +38,7 @@ class Rollout:
         return collate([self.prompt_ids[i] for i in idx], [self.response_ids[i] for i in idx], pad_id, device)
 
     def log(self, stats) -> None:
-        """Its train/response_len_mean, _max and train/truncated_frac into stats (common.metrics.StepStats), and the
-        tokens of perf/sample_tok_s (the responses) and perf/train_tok_s (prompts and responses, forward and
-        backward)."""
+        """The lengths, truncated fraction and tokens of perf/sample_tok_s and train_tok_s into stats (StepStats)."""
         lens = self.response_lens()
         stats.add("train/response_len_mean", float(sum(lens)), len(lens))
         stats.max("train/response_len_max", float(max(lens)))
@@ -51,50 +48,35 @@ class Rollout:
 
 
 def on_device(device, idx: list[int], T: int, *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """Rows idx of each CPU tensor, B x T ones cut to their first T columns (a micro-batch's longest response), on
-    `device` without waiting for the GPU (common.logprobs.to_device); None stays None (a tensor the run has not)."""
+    """Rows idx (and first T columns) of each CPU tensor on `device`, without waiting for the GPU; None stays None."""
     return [None if t is None else to_device(t[idx, :T] if t.dim() > 1 else t[idx], device) for t in tensors]
 
 
 def batch_problems(problems: list, step: int, num_prompts: int, rank: int, world_size: int, seed: int) -> list:
-    """This rank's problems of step `step` (0-based): the step takes entries [step P, (step + 1) P) of the sequence of
-    epochs, P = num_prompts, each epoch a permutation of the problems seeded by (seed, epoch) (the same on every
-    rank), and rank r takes the r-th consecutive share of P / world_size of them."""
-    per_rank = num_prompts // world_size
-    first = step * num_prompts + rank * per_rank
-    orders = {}
-    out = []
-    for j in range(first, first + per_rank):
-        epoch, k = divmod(j, len(problems))
-        if epoch not in orders:
-            orders[epoch] = np.random.default_rng([seed, epoch]).permutation(len(problems))
-        out.append(problems[orders[epoch][k]])
-    return out
+    """This rank's problems of step `step` (0-based): entries [step P, (step + 1) P) of a sequence of epochs (P =
+    num_prompts), each a permutation seeded by (seed, epoch); rank r takes the r-th share of P / world_size of them."""
+    per_rank, n = num_prompts // world_size, len(problems)
+    js = range(step * num_prompts + rank * per_rank, step * num_prompts + (rank + 1) * per_rank)
+    orders = {e: np.random.default_rng([seed, e]).permutation(n) for e in {j // n for j in js}}
+    return [problems[orders[j // n][j % n]] for j in js]
 
 
 def micro_batches(lengths: list[int], token_budget: int, device) -> list[list[int]]:
-    """Collective. split_microbatches of the sequences' lengths within the token budget, in the same number of
-    micro-batches on every rank (each forward/backward is a collective under FSDP)."""
-    groups = split_microbatches(lengths, token_budget)
-    n = int(reduce_stats({"n": len(groups)}, "max", device)["n"])
+    """Collective. split_microbatches, as many on every rank (under FSDP each forward and backward is a collective)."""
+    n = int(reduce_stats({"n": len(split_microbatches(lengths, token_budget))}, "max", device)["n"])
     return split_microbatches(lengths, token_budget, min_count=n)
 
 
 def minibatches(seq_lens: list[int], num_minibatches: int, token_budget: int, device) -> list[list[list[int]]]:
     """Collective. The step's optimizer steps: num_minibatches consecutive shares of the sequences (whole groups, as
-    the sampler returns them), each a list of micro-batches of sequence indices (micro_batches)."""
-    per_mb = len(seq_lens) // num_minibatches
-    out = []
-    for k in range(num_minibatches):
-        first = k * per_mb
-        out.append([[first + j for j in micro] for micro in
-                    micro_batches(seq_lens[first:first + per_mb], token_budget, device)])
-    return out
+    the sampler returns them), each a list of micro-batches of sequence indices."""
+    m = len(seq_lens) // num_minibatches
+    return [[[k * m + j for j in micro] for micro in micro_batches(seq_lens[k * m:(k + 1) * m], token_budget, device)]
+            for k in range(num_minibatches)]
 
 
 def minibatch_tokens(minibatches: list[list[list[int]]], response_lens: list[int], device) -> list[float]:
     """Collective. Each mini-batch's response tokens over all ranks (one all-reduce): the N_tok of a loss that is a
     mean over tokens (cispo.py's, ppo.py's value loss), so that micro-batches and ranks leave it unchanged."""
     counts = {k: float(sum(response_lens[i] for idx in mb for i in idx)) for k, mb in enumerate(minibatches)}
-    out = reduce_stats(counts, "sum", device)
-    return [out[k] for k in range(len(minibatches))]
+    return list(reduce_stats(counts, "sum", device).values())  # (keys sorted: in mini-batch order)

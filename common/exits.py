@@ -1,32 +1,20 @@
-"""How a script ends: one line and an exit code for what the user can act on, a traceback only for a bug
-(docs/faults.md, "Exit codes"). A script's `__main__` is `exits.run(lambda: main(parse_args()), __file__)`; its step
-loop sets `exits.progress.step`, and its run directory `exits.progress.hint` (how to resume), which the line on
-Ctrl-C gives.
-
-A tool (sanity/, tasks/) ends the same way, with no step: `exits.run(lambda: main(parse_args()), __file__,
-steps=False)`; one whose main() returns its exit status ends with `sys.exit(exits.run(...))`.
-
-Ctrl-C: the first raises KeyboardInterrupt where the run is (inside a checkpoint save it is held until the save's
-next safe point, SigintDeferred, and counts as the first); a second, while the first is handled (threads joined, a
-save finishing, the clean-up at exit), ends the process at once with the same line and exit code 130, after the
-quick clean-ups of at_hard_exit (the reward workers killed): never a traceback from the clean-up it interrupts.
-"""
+"""How a script ends (docs/faults.md, "Exit codes"): one line and an exit code for what the user can act on, a traceback
+only for a bug. `__main__` is `exits.run(lambda: main(parse_args()), __file__)` (a tool: steps=False; `sys.exit(...)`
+if main() returns its exit status). Ctrl-C: the first raises KeyboardInterrupt (held to a save's safe point by
+SigintDeferred); a second, while the first is handled (threads joined, a save finishing, the clean-up at exit), ends
+the process at once with the same line and exit code 130, after at_hard_exit's quick clean-ups: never a traceback."""
 import atexit
 import os
 import signal
 import sys
 import threading
+from types import SimpleNamespace
 
 EXIT_BAD_INPUT, EXIT_FAULT, EXIT_INTERRUPTED = 2, 3, 130  # 130 = 128 + SIGINT, as a shell reports a Ctrl-C'd process
 
-
-class Progress:
-    """Where the run is, for the line on Ctrl-C."""
-    step = 0  # the step in progress (0: training had not begun; None: a tool, which has no steps)
-    hint = None  # () -> str, how to go on (common/rundir.py: from which checkpoint to resume); None: not known yet
-
-
-progress = Progress()
+# for the line on Ctrl-C, set by the step loop and the run directory: the step in progress (0: training had not begun;
+# None: a tool) and hint, () -> str: how to go on (common/rundir.py: from which checkpoint to resume; None: not known)
+progress = SimpleNamespace(step=0, hint=None)
 _script, _sigints, _said = "", 0, False  # run()'s script; the Ctrl-Cs its handler has seen; the line printed
 _hard_exit_calls = []  # what a second Ctrl-C still does before the process ends: quick, lock-free, cannot block
 
@@ -45,16 +33,15 @@ def _say_interrupted() -> None:
 
 
 def at_hard_exit(fn) -> None:
-    """Have fn() called when a second Ctrl-C ends the process at once (os._exit: no atexit callback runs then). fn
-    must not wait or take a lock: it may run inside the very code it would wait for (a kill of the reward workers
-    that the first Ctrl-C had begun)."""
+    """Have fn() called when a second Ctrl-C ends the process (os._exit: no atexit callback runs). fn must not wait
+    or take a lock: it may run inside the code it would wait for (a kill of the reward workers already begun)."""
     if fn not in _hard_exit_calls:
         _hard_exit_calls.append(fn)
 
 
 def _on_sigint(signum, frame):
-    """A run's SIGINT handler: the first Ctrl-C raises KeyboardInterrupt; a second ends the process now, with no
-    clean-up (it is what is being interrupted) and no traceback."""
+    """The first Ctrl-C raises KeyboardInterrupt; a second ends the process now, with no clean-up (it is what is being
+    interrupted) and no traceback."""
     global _sigints
     _sigints += 1
     if _sigints == 1:
@@ -69,20 +56,17 @@ def _on_sigint(signum, frame):
 
 
 def run(main, script_file: str, steps: bool = True, bad_input: tuple = ()):
-    """Run main() as a script's __main__ and return its value: bad input (ValueError, FileNotFoundError,
-    PermissionError, and the types in bad_input) is one line and exit code 2, a TrainingFault one line and exit code 3,
-    Ctrl-C one line and exit code 130 (steps=False: a tool's, which names no step); anything else is a bug or an
-    environment problem and keeps its traceback (exit code 1). DEBUG=1: every traceback. Once main() has returned or
-    raised, the process group is freed here (main's model holds it)."""
+    """Run main() as a script's __main__ and return its value. Bad input (ValueError, FileNotFoundError,
+    PermissionError, bad_input's types): one line, exit code 2; a TrainingFault: one line, exit 3; Ctrl-C: one line,
+    exit 130; anything else keeps its traceback (exit 1). DEBUG=1: every traceback. Frees the process group after."""
     global _script
     _script = os.path.basename(script_file)
     if not steps:
         progress.step = None
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _on_sigint)
-        # once the interpreter's own clean-up begins (atexit: workers killed, ...), a Ctrl-C changes nothing: the exit
-        # is under way, and after Python resets its handlers late in that clean-up the signal would kill the process
-        # instead of letting it exit with its code
+        # once the interpreter's clean-up begins, a Ctrl-C changes nothing: after Python resets its handlers late in
+        # that clean-up the signal would kill the process instead of letting it exit with its code
         atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
     try:
         value, code = main(), None
@@ -95,8 +79,8 @@ def run(main, script_file: str, steps: bool = True, bad_input: tuple = ()):
             _say_interrupted()
         else:
             print(f"{_script}: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr, flush=True)
-    # here, not inside `except`: the exception's traceback holds main()'s frames, and with them its model, which holds
-    # the process group; an error exit frees it too, without the barrier (the other ranks need not be here)
+    # here, not inside `except`: the exception's traceback holds main()'s frames, whose model holds the process group;
+    # an error exit frees it without the barrier (the other ranks need not be here)
     if "common.dist" in sys.modules:  # (a process group is set up there only)
         sys.modules["common.dist"].cleanup_distributed(barrier=code is None)
     if code is not None:
@@ -104,19 +88,15 @@ def run(main, script_file: str, steps: bool = True, bad_input: tuple = ()):
     return value
 
 
-def _faults() -> tuple:
-    """(TrainingFault,) once main() has imported it, else (): none can have been raised. A tool that never imports
-    common/precision.py is spared torch's import (seconds) by ending through run()."""
+def _faults() -> tuple:  # (TrainingFault,) once imported, else () (none was raised): a tool is spared torch's import
     precision = sys.modules.get("common.precision")
     return (precision.TrainingFault,) if precision else ()
 
 
 class SigintDeferred:
-    """`with SigintDeferred() as d:` a first SIGINT inside is recorded (d.pending) instead of raised, so that code
-    which must not stop half-way (a checkpoint's phases, the collectives every rank must join) reaches a point where
-    it can stop cleanly and checks d.pending there; a run's handler counts it as a first Ctrl-C. A second SIGINT goes
-    to the handler that was there before (the user insists: under a run's handler, the process ends now). Outside
-    the main thread (no signal handler can be set there) nothing is deferred and pending stays False."""
+    """`with SigintDeferred() as d:` a first SIGINT is recorded (d.pending; a first Ctrl-C for run's handler), not
+    raised, for code that must not stop half-way (a checkpoint's phases, collectives) and checks d.pending at a safe
+    point. A second goes to the handler before (run's: the process ends). Nothing is deferred off the main thread."""
 
     def __enter__(self):
         self.pending, self.installed = False, threading.current_thread() is threading.main_thread()
@@ -136,4 +116,3 @@ class SigintDeferred:
     def __exit__(self, *exc):
         if self.installed:
             signal.signal(signal.SIGINT, self.previous if self.previous is not None else signal.SIG_DFL)
-        return False

@@ -1,14 +1,9 @@
-"""The fallback sampler (`--sampler hf`): a plain (unsharded) copy of the policy in the rollout precision, decoded
-with transformers and a DynamicCache, behind the interface of common/sampler.py. The log-prob it reports is the one of
-the distribution it sampled from (after temperature and top-p), as vLLM's `processed_logprobs`. It exists for machines
-without vLLM; vLLM is the fast sampler (docs/results.md, Samplers).
-"""
+"""The fallback sampler (`--sampler hf`) for machines without vLLM: a plain copy of the policy decoded with a
+DynamicCache; its log-probs are those sampled from (after temperature and top-p), as vLLM's `processed_logprobs`."""
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from common.batches import Rollout
-
-DONE_CHECK_EVERY = 16  # decode steps between checks on a GPU that every row has ended (each check is a host sync)
 
 
 class HFSampler:
@@ -29,11 +24,9 @@ class HFSampler:
     def load_weights(self, named_tensors) -> None:
         missing = set(self.params)
         for name, t in named_tensors:
-            if name not in self.params:
-                continue  # a buffer (e.g. rotary inv_freq): derived from the config, not trained
-            param = self.params[name]
-            param.copy_(t)
-            missing -= {n for n in missing if self.params[n] is param}  # a tied weight is sent under one name
+            if name in self.params:  # (else a buffer, e.g. rotary inv_freq: derived from the config, not trained)
+                self.params[name].copy_(t)
+                missing -= {n for n in missing if self.params[n] is self.params[name]}  # tied: sent under one name
         if missing:
             raise RuntimeError(f"weight sync: {len(missing)} sampler parameters not sent, e.g. {sorted(missing)[:3]}")
 
@@ -47,35 +40,27 @@ class HFSampler:
         out = Rollout()
         for i in range(0, len(flat), self.batch_size):
             chunk = flat[i:i + self.batch_size]
-            ids, lps, fin = self._generate_batch(chunk, max_new_tokens, temperature, top_p)
-            out.prompt_ids += chunk
-            out.response_ids += ids
-            out.logprobs += lps
-            out.finished += fin
+            for rows, new in zip((out.prompt_ids, out.response_ids, out.logprobs, out.finished),
+                                 (chunk, *self._generate_batch(chunk, max_new_tokens, temperature, top_p))):
+                rows.extend(new)
         return out
 
     def _sample(self, logits_BV, temperature: float, top_p: float):
         """The next token of every row and its fp32 log-prob under the processed distribution."""
         logp_BV = process_logits(logits_BV.float(), temperature, top_p)
         if temperature > 0:  # argmax of p / Exp(1) noise is a draw from p (multinomial checks p with a host sync)
-            noise_BV = torch.empty_like(logp_BV).exponential_(generator=self.generator)
-            tok_B = (logp_BV.exp() / noise_BV).argmax(-1)
+            tok_B = (logp_BV.exp() / torch.empty_like(logp_BV).exponential_(generator=self.generator)).argmax(-1)
         else:
             tok_B = logp_BV.argmax(-1)
         return tok_B, logp_BV.gather(-1, tok_B[:, None]).squeeze(-1)
 
     @torch.no_grad()
     def _generate_batch(self, prompts, max_new_tokens, temperature, top_p):
-        """Responses, their log-probs and end flags for one batch: the prompts left-padded (every row's next token
-        goes at the same column) through the model with a DynamicCache, then one token per step until every row has
-        drawn an end-of-sequence token or max_new_tokens."""
+        """Responses, log-probs and end flags of one batch: the prompts left-padded (every row's next token at the same
+        column), then one token per step until every row has drawn an end-of-sequence token or max_new_tokens."""
         B, P = len(prompts), max(map(len, prompts))
-        attn = torch.zeros((B, P), dtype=torch.long)
-        input_ids = torch.full((B, P), self.pad_id, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            input_ids[b, P - len(p):] = torch.tensor(p)
-            attn[b, P - len(p):] = 1
-        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
+        input_ids = torch.tensor([[self.pad_id] * (P - len(p)) + list(p) for p in prompts], device=self.device)
+        attn = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)  # positions count from each row's first real token
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
@@ -85,15 +70,14 @@ class HFSampler:
         logp_BT = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=self.device)
         done_B = torch.zeros(B, dtype=torch.bool, device=self.device)
         length_B = torch.full((B,), max_new_tokens, dtype=torch.long, device=self.device)
-        check_every = DONE_CHECK_EVERY if self.device.type == "cuda" else 1
+        check_every = 16 if self.device.type == "cuda" else 1  # decode steps between checks that every row has ended
         for t in range(max_new_tokens):
             tok_B, lp_B = self._sample(logits, temperature, top_p)
-            tokens_BT[:, t] = tok_B
-            logp_BT[:, t] = lp_B
+            tokens_BT[:, t], logp_BT[:, t] = tok_B, lp_B
             is_eos = torch.isin(tok_B, self.eos_ids) & ~done_B
             length_B = torch.where(is_eos, t + 1, length_B)
             done_B |= is_eos
-            # asking whether every row has ended waits for the GPU: there only every DONE_CHECK_EVERY tokens
+            # asking whether every row has ended waits for the GPU (a host sync): there only every 16 tokens
             if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and bool(done_B.all())):
                 break
             attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=self.device)], dim=1)
@@ -106,14 +90,12 @@ class HFSampler:
 
 
 def process_logits(logits_BV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """fp32 log-probs of the distribution sampled from: logits / temperature, then the top-p nucleus renormalised.
-    Temperature 0 means greedy (the log-probs are then those of temperature 1)."""
+    """fp32 log-probs of the distribution sampled from: logits / temperature, the top-p nucleus renormalised.
+    Temperature 0 is greedy (the log-probs then those of temperature 1)."""
     logp = torch.log_softmax(logits_BV / temperature if temperature > 0 else logits_BV, dim=-1)
     if top_p < 1.0:
         sorted_lp, idx = logp.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the most likely token always stays)
-        drop = (sorted_lp.exp().cumsum(-1) - sorted_lp.exp()) >= top_p
-        sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
-        logp = torch.full_like(logp, float("-inf")).scatter(-1, idx, sorted_lp)
-        logp = torch.log_softmax(logp, dim=-1)
+        sorted_lp = sorted_lp.masked_fill((sorted_lp.exp().cumsum(-1) - sorted_lp.exp()) >= top_p, float("-inf"))
+        logp = torch.log_softmax(torch.full_like(logp, float("-inf")).scatter(-1, idx, sorted_lp), dim=-1)
     return logp

@@ -1,5 +1,4 @@
-"""Precision: the flags' dtypes, FP16 dynamic loss scaling and the check of every step's log-probs; what each flag sets
-and what stays fp32: docs/algorithms.md, "Precision"."""
+"""The precision flags' dtypes, FP16 dynamic loss scaling, the check of each step's log-probs (docs/algorithms.md)."""
 import math
 
 import torch
@@ -23,29 +22,23 @@ def resolve_precisions(precision: str, train: str | None, rollout: str | None) -
 
 
 def precision_name(dtype: torch.dtype) -> str:
-    """The flag's name of a dtype (fp16, bf16, fp32), for messages."""
-    return next(name for name, d in DTYPES.items() if d == dtype)
+    return next(name for name, d in DTYPES.items() if d == dtype)  # the flag's name of a dtype, for messages
 
 
 class LossScaler:
-    """Dynamic loss scaling for FP16 (a no-op at scale 1 for bf16/fp32): the order of operations, and why not
-    torch.amp.GradScaler (it decides to skip from one rank's shards; here the global gradient norm decides, so every
-    rank skips the same steps): docs/algorithms.md, "FP16 loss scaling". A skipped step leaves the weights untouched.
-    `fault` says when the run should stop rather than skip on: a non-finite gradient without loss scaling, or
-    `max_consecutive_skips` fp16 steps in a row skipped (0: never).
-    """
+    """Dynamic loss scaling for FP16 (scale 1 for bf16/fp32). Not torch.amp.GradScaler, which skips from one rank's
+    shards: the global gradient norm decides, so every rank skips the same steps (docs/algorithms.md). `fault`: why the
+    run should stop (a non-finite gradient without loss scaling, or max_consecutive_skips skips in a row; 0: never)."""
 
     def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, min_scale: float = 1.0,
                  max_consecutive_skips: int = 20):
-        self.enabled = enabled
-        self.scale = init_scale if enabled else 1.0
+        self.enabled, self.scale = enabled, init_scale if enabled else 1.0
         self.growth_interval, self.growth_factor = growth_interval, growth_factor
         self.backoff_factor, self.min_scale = backoff_factor, min_scale
-        self.good_steps = 0  # finite steps since the last change of scale
-        self.skipped_steps = 0  # total, for the log
         self.max_consecutive_skips = max_consecutive_skips
-        self.consecutive_skips = 0
+        # finite steps since the last change of scale; skipped steps in the whole run (for the log), and in a row
+        self.good_steps = self.skipped_steps = self.consecutive_skips = 0
         self.fault: str | None = None  # why the run should stop (set by step), else None
         self.norms: list[float] = []  # the gradient norms of the steps since the last log()
 
@@ -54,35 +47,26 @@ class LossScaler:
 
     def step(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, max_grad_norm: float
              ) -> tuple[float, bool]:
-        """Unscale the gradients, clip them, and take the optimizer step unless the gradients hold an inf or a NaN.
-        Returns (grad norm before clipping, unscaled; skipped). Gradients are zeroed either way."""
-        grads = [p.grad for p in params if p.grad is not None]
+        """Unscale and clip the gradients, and step unless they hold an inf or a NaN (a skipped step leaves the weights
+        untouched); zero them either way. Returns (the unscaled grad norm before clipping, skipped)."""
         if self.enabled:
-            inv = 1.0 / self.scale
-            for g in grads:
-                g.mul_(inv)
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2: the norm over every rank's shard
-            norm = norm.full_tensor()
-        norm = norm.item()
+            for g in [p.grad for p in params if p.grad is not None]:
+                g.mul_(1.0 / self.scale)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)  # under FSDP2 a DTensor: full_tensor() is the
+        norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # norm over every rank's shard
         self.norms.append(norm)
         skipped = not math.isfinite(norm)
-        if skipped:
-            self.skipped_steps += 1
-            self.consecutive_skips += 1
-        else:
-            self.consecutive_skips = 0
+        self.skipped_steps += skipped
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        if not skipped:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if self.enabled:
-            if skipped:
-                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-                self.good_steps = 0
-            else:
-                self.good_steps += 1
-                if self.good_steps >= self.growth_interval:
-                    self.scale *= self.growth_factor
-                    self.good_steps = 0
+        if self.enabled and skipped:
+            self.scale, self.good_steps = max(self.scale * self.backoff_factor, self.min_scale), 0
+        elif self.enabled:
+            self.good_steps += 1
+            if self.good_steps >= self.growth_interval:
+                self.scale, self.good_steps = self.scale * self.growth_factor, 0
         if skipped and not self.enabled:
             self.fault = f"non-finite gradient norm ({norm}) without loss scaling: the loss or the model is broken"
         elif self.max_consecutive_skips and self.consecutive_skips >= self.max_consecutive_skips:
@@ -91,8 +75,8 @@ class LossScaler:
         return norm, skipped
 
     def log(self, prefix: str = "optim") -> dict:
-        """<prefix>/grad_norm (the mean of the finite gradient norms of the steps since the last call: a skipped
-        step's is inf; nan when all were), <prefix>/loss_scale and <prefix>/skipped_steps (in the whole run)."""
+        """<prefix>/grad_norm (the mean of the finite norms since the last call; nan if none), <prefix>/loss_scale and
+        <prefix>/skipped_steps (in the whole run)."""
         finite = [n for n in self.norms if math.isfinite(n)]
         self.norms = []
         return {f"{prefix}/grad_norm": sum(finite) / len(finite) if finite else float("nan"),
@@ -109,12 +93,10 @@ class LossScaler:
 
 def check_finite_logprobs(step: int, mask_BT: torch.Tensor, device, train: torch.dtype, rollout: torch.dtype,
                           **logp_BT) -> None:
-    """Collective. Raise TrainingFault, on every rank, when a response token's log-prob (the trainer's old_logp, the
-    sampler's mu_logp) is NaN or infinite on any rank: a NaN would otherwise pass silently into the metrics and,
-    through a rollout correction's weights, into the loss (docs/algorithms.md, "Range checks")."""
+    """Collective. TrainingFault on every rank when a response token's old_logp (trainer) or mu_logp (sampler) is not
+    finite on any rank: a NaN would pass silently into the metrics and the loss (docs/algorithms.md, "Range checks")."""
     counts = {name: float((~torch.isfinite(t) & mask_BT).sum()) for name, t in logp_BT.items()}
-    counts = reduce_stats(counts, "sum", device)
-    bad = {name: int(n) for name, n in counts.items() if n}
+    bad = {name: int(n) for name, n in reduce_stats(counts, "sum", device).items() if n}
     if bad:
         side = {"old_logp": f"the trainer ({precision_name(train)})",
                 "mu_logp": f"the sampler ({precision_name(rollout)})"}

@@ -1,21 +1,13 @@
-"""The algorithm scripts of a checkout, found by reading the tree: the tools that run every script (the tests,
-sanity/run_sanity.py --algorithms) take the list from here, so that a fork (a copy of grpo.py under a new name) is
-in all of them without being named anywhere. The files' syntax is read; no script is imported."""
+"""The algorithm scripts of a checkout, for the tools that run every script (the tests, sanity/run_sanity.py
+--algorithms): read from the tree (no script is imported), so that a fork of grpo.py under a new name is in all."""
 import ast
 import os
 
 
 def algorithm_scripts(root: str) -> list[str]:
-    """The .py files at the top of `root` that define both main() and parse_args() at their top level, sorted by
-    name (e.g. ["cispo.py", "grpo.py", ...]); a module of helpers or a tool under sanity/ is not one."""
-    found = []
-    for name in sorted(os.listdir(root)):
-        path = os.path.join(root, name)
-        if not (name.endswith(".py") and os.path.isfile(path)):
-            continue
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename=name)
-        defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
-        if {"main", "parse_args"} <= defined:
-            found.append(name)
-    return found
+    """The .py files at the top of `root` defining main() and parse_args() at their top level, sorted by name."""
+    def defines(name: str) -> set[str]:
+        with open(os.path.join(root, name), encoding="utf-8") as f:
+            return {node.name for node in ast.parse(f.read(), filename=name).body if isinstance(node, ast.FunctionDef)}
+    return [name for name in sorted(os.listdir(root)) if name.endswith(".py")
+            and os.path.isfile(os.path.join(root, name)) and {"main", "parse_args"} <= defines(name)]

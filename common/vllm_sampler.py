@@ -1,11 +1,7 @@
-"""The vLLM sampler: one in-process engine per torchrun rank, colocated with the trainer (docs/samplers.md):
-external_launcher over the trainer's process group, seeded per rank (per TP group), never per request,
-processed_logprobs (mu after temperature), weights reloaded in place from the trainer, sleep mode while it trains.
-vLLM's internals are touched in `_model_runner` and, for exact mode (`exact=ExactPlan`), in exact.py's
-"vLLM internals" section.
-"""
+"""The vLLM sampler (docs/samplers.md): an in-process engine per rank beside the trainer (external_launcher over its
+process group), seeded per TP group, never per request; processed_logprobs (mu after temperature); weights reloaded in
+place; sleep mode while the trainer trains. vLLM internals: `_model_runner` here, exact.py's for exact mode."""
 import gc
-import importlib
 import importlib.util
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -16,22 +12,22 @@ import torch.distributed as dist
 from common.batches import Rollout
 from common.precision import precision_name
 
+
 def _model_runner(llm):
     """The one place that reaches into vLLM's internals (in-process engine, V1, as of vLLM 0.25-0.32)."""
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
 
 def _import_llm():
-    """vllm.LLM, imported on a thread of its own. vLLM keeps an import error it caught (`torchcodec` missing), whose
-    traceback holds the importing frames and their callers: imported from main(), it kept main()'s frame, and with it
-    the model and the process group, alive to the interpreter's teardown (common/dist.py cleanup_distributed)."""
+    """vllm.LLM, imported on a thread of its own: vLLM keeps an import error it caught (`torchcodec` missing), whose
+    traceback pins the importing frames; from main(), main()'s model and process group lived on to the teardown."""
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(lambda: importlib.import_module("vllm").LLM).result()
 
 
 def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
-    """The log-prob of each sampled token from what vLLM returned for a response: FlatLogprobs (flat lists; with
-    logprobs=0 one entry per position, the sampled token's), or a list of {token id: Logprob} per position."""
+    """Each sampled token's log-prob from a response's FlatLogprobs (flat lists; with logprobs=0 one entry per
+    position, the sampled token's) or list of {token id: Logprob} per position."""
     if hasattr(logprobs, "start_indices"):
         if logprobs.token_ids == ids:  # one entry per position: the lists are the answer
             return logprobs.logprobs
@@ -40,10 +36,8 @@ def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
     return [lp[t].logprob for lp, t in zip(logprobs, ids)]
 
 
-
 def rollout_of(prompts: list[list[int]], outputs) -> Rollout:
-    """A Rollout of what llm.generate returned for `prompts`: each prompt's responses in order, their sampled tokens'
-    log-probs (fp32), finished where the response ended with a stop token rather than at the length limit."""
+    """A Rollout of llm.generate's outputs for `prompts` (finished: ended with a stop token, not at the limit)."""
     out = Rollout()
     for prompt, request in zip(prompts, outputs):
         for c in request.outputs:
@@ -54,41 +48,33 @@ def rollout_of(prompts: list[list[int]], outputs) -> Rollout:
             out.finished.append(c.finish_reason == "stop")
     return out
 
+
 class VLLMSampler:
     def __init__(self, model_path: str, dtype: torch.dtype, seed: int, max_model_len: int, tp: int = 1,
                  gpu_memory_utilization: float = 0.3, sleep_level: int = 1, kv_cache_gib: float = 0.0,
                  exact=None, enforce_eager: bool | None = None, prefix_caching: bool = True):
-        """exact: exact mode's plan (exact.py's ExactPlan, given by the script; this module calls its hooks
-        prepare_process, engine_args and engine_started and imports no exact.py): vLLM in batch-invariant mode, for the
-        whole process (docs/exact.md); self.exact_facts then holds what the trainer's exact forward needs from the
-        engine (ExactPlan.attach).
-        enforce_eager: None runs eager on a CPU only (exact mode decides for itself). prefix_caching: reuse the KV
-        of shared prefixes."""
+        """exact: exact.py's ExactPlan, whose hooks make vLLM batch-invariant for the whole process (docs/exact.md) and
+        give self.exact_facts (ExactPlan.attach). enforce_eager None: eager on a CPU only (exact mode decides)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         if exact is not None:
             exact.prepare_process()
         if importlib.util.find_spec("flashinfer") is None:  # some vLLM builds leave it out; vLLM's FlashInfer
             os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # sampler then fails at start, importing it
-        # external_launcher reads torchrun's variables; a plain `python script.py` is a group of one
-        self.env_set = []  # the variables set here, unset at shutdown: a later group of one must not look like torchrun
-        for key, value in (("RANK", dist.get_rank()), ("LOCAL_RANK", dist.get_rank()),
-                           ("WORLD_SIZE", dist.get_world_size())):
-            if key not in os.environ:
-                os.environ[key] = str(value)
-                self.env_set.append(key)
+        # external_launcher reads torchrun's variables (a plain `python script.py` is a group of one); those set here
+        # are unset at shutdown: a later group of one must not look like torchrun
+        values = {"RANK": dist.get_rank(), "LOCAL_RANK": dist.get_rank(), "WORLD_SIZE": dist.get_world_size()}
+        self.env_set = [key for key in values if key not in os.environ]
+        os.environ.update({key: str(values[key]) for key in self.env_set})
         LLM = _import_llm()
-        if exact is not None:
-            mode = exact.engine_args()  # (the RMSNorm patch goes in here: before the engine builds the model)
-        else:
-            mode = {"enforce_eager": not torch.cuda.is_available() if enforce_eager is None else enforce_eager}
-        self.tp = tp
-        self.sleep_level = sleep_level if torch.cuda.is_available() else 0
-        self.asleep = False
-        self.weights_awake = True  # the weights' GPU memory is allocated
-        self.weights_loaded = True  # the engine holds the current weights (a level 2 sleep discards them)
-        # a fixed KV cache skips vLLM's measurement of free memory at start, which fails when another process on
-        # the same GPU allocates or frees meanwhile ("No available memory for the cache blocks", "Error in memory
-        # profiling"), as parallel sanity runs do
+        # (exact: engine_args puts the RMSNorm patch in, before the engine builds the model)
+        mode = exact.engine_args() if exact is not None else {
+            "enforce_eager": not torch.cuda.is_available() if enforce_eager is None else enforce_eager}
+        self.tp, self.sleep_level = tp, sleep_level if torch.cuda.is_available() else 0
+        # weights_awake: their GPU memory is allocated; weights_loaded: the engine has them (a level 2 sleep drops them)
+        self.asleep, self.weights_awake, self.weights_loaded = False, True, True
+        # a fixed KV cache skips vLLM's measurement of free memory, which fails when another process on the GPU
+        # allocates or frees meanwhile, as parallel sanity runs do ("No available memory for the cache blocks", "Error
+        # in memory profiling")
         fixed_kv = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib > 0 else {}
         try:
             self.llm = LLM(model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=tp,
@@ -97,14 +83,12 @@ class VLLMSampler:
                            logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_level > 0,
                            enable_prefix_caching=prefix_caching, **mode, **fixed_kv)
         except (ValueError, NotImplementedError, RuntimeError) as e:
-            text = str(e).lower()
-            if any(w in text for w in ("dtype", "float16", "float32", "bfloat16", "not supported")):
+            if any(w in str(e).lower() for w in ("dtype", "float16", "float32", "bfloat16", "not supported")):
                 raise ValueError(f"vLLM refused {precision_name(dtype)} rollouts for this model: {e}. Choose another "
                                  f"--rollout-precision (or --sampler hf)") from e
             raise
-        self.exact_plan, self.exact_facts = exact, None
-        if exact is not None:
-            self.exact_facts = exact.engine_started(self.llm, _model_runner(self.llm))
+        self.exact_plan = exact
+        self.exact_facts = exact.engine_started(self.llm, _model_runner(self.llm)) if exact is not None else None
         self.tp_group = None
         if tp > 1:  # every rank creates every TP group (new_group is collective), keeps its own
             world = dist.get_world_size()
@@ -140,8 +124,7 @@ class VLLMSampler:
         self.asleep = False
 
     def shutdown(self) -> None:
-        """Shut the engine down while the process group it joined still exists (at interpreter exit, after the
-        trainer destroyed the group, vLLM's own clean-up fails)."""
+        """Shut the engine down while its process group exists (vLLM's own clean-up at exit, after the group, fails)."""
         del self.llm
         self.tp_group = None  # (a group referenced after destroy_process_group keeps its threads)
         gc.collect()
@@ -152,13 +135,11 @@ class VLLMSampler:
 
     @staticmethod
     def sampling_params(n: int, max_new_tokens: int, temperature: float, top_p: float = 1.0, ignore_eos: bool = False):
-        """What generate asks of the engine: n samples per prompt, greedy at temperature <= 0, the sampled tokens'
-        log-probs and no detokenization."""
+        """n samples per prompt, greedy at temperature <= 0, the sampled tokens' log-probs, no detokenization."""
         from vllm import SamplingParams
         greedy = temperature <= 0
-        # flat_logprobs: the log-probs come back as flat lists per response rather than a dict and a Logprob object per
-        # token, which the engine builds inside its decode loop (in this process: external_launcher keeps the engine
-        # in-process). On one H100, 64 x 8 responses up to 1,024 tokens: llm.generate 13-21% faster
+        # flat_logprobs: flat lists per response, not a dict and a Logprob per token built in the (in-process) decode
+        # loop: on one H100, 64 x 8 responses up to 1,024 tokens, llm.generate 13-21% faster
         return SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                               max_tokens=max_new_tokens, logprobs=0, detokenize=False, flat_logprobs=True,
                               ignore_eos=ignore_eos)
