@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from common.exits import SigintDeferred
 from common.fsdp import full_state_names, iter_full_state
+from common.logger import agree
 from common.preflight import check_model_dir, not_json
 from common.precision import TrainingFault
 
@@ -349,8 +350,8 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 
 
 def load_training_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
-    """Optimizer state (resharded: any number of ranks), trainer_state.json and this rank's RNG state ({} for a rank
-    the checkpoint did not have); nothing unpickled unchecked. The weights come with loading `path` as the model."""
+    """Collective. Optimizer state (resharded: any number of ranks), trainer_state.json and this rank's RNG state ({}
+    for a rank the checkpoint did not have); nothing unpickled unchecked. The weights come with loading `path`."""
     rank, optimizer_dir = dist.get_rank(), os.path.join(path, "optimizer")
     if optimizer is not None:
         state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # the layout this run holds (zeros)
@@ -374,12 +375,16 @@ def load_training_state(path: str, model: torch.nn.Module, optimizer: torch.opti
         for group, ours in zip(optimizer.param_groups, settings, strict=True):
             group.update(ours)
     trainer_state = read_json(os.path.join(path, "trainer_state.json"), "--resume")
-    rng_file, rank_state = os.path.join(path, f"rng_rank{rank}.json"), {}
-    if os.path.exists(rng_file):
-        data = read_json(rng_file, "--resume")
-        with damaged(rng_file, "not a random state"):
-            rank_state = rng_from_json(data)
-    elif rank == 0 and os.path.exists(os.path.join(path, "rng_rank0.pt")):  # (written by an older version)
-        print(f"[resume] {path}: rng_rank*.pt not read (a pickle: loading it could run code); the random streams "
-              "start afresh", flush=True)
+    rng_file, rank_state, error = os.path.join(path, f"rng_rank{rank}.json"), {}, None
+    try:  # this rank's own file: a damaged one is agreed on below, so that every rank stops with its line
+        if os.path.exists(rng_file):
+            data = read_json(rng_file, "--resume")
+            with damaged(rng_file, "not a random state"):
+                rank_state = rng_from_json(data)
+        elif rank == 0 and os.path.exists(os.path.join(path, "rng_rank0.pt")):  # (written by an older version)
+            print(f"[resume] {path}: rng_rank*.pt not read (a pickle: loading it could run code); the random streams "
+                  "start afresh", flush=True)
+    except ValueError as e:
+        error = str(e)
+    agree(error, ValueError)
     return trainer_state, rank_state

@@ -273,21 +273,42 @@ def test_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, tiny_
     assert all(torch.equal(start[k], saved[k]) for k in saved)
 
 
-def test_a_full_disk_on_rank_0_stops_both_ranks_with_the_same_line(tmp_path):
-    """2 ranks (gloo), rank 0's disk full while it writes model.safetensors at step 2's checkpoint. Before, rank 0
-    died alone with a traceback while rank 1 waited in the all-gather of the next tensor. Now both exit 3 with the
-    same one-line error naming rank 0 and the file, and step 1's checkpoint stays the newest complete one. The ranks
-    are started directly (not by torchrun, whose agent stops the other workers when one exits) so each one's exit code
-    and output are its own; the timeout only guards against a hang."""
+def two_ranks(*argv):
+    """`python *argv` as the 2 ranks of a gloo group, started directly (not by torchrun, whose agent stops the other
+    workers when one exits) so that each one's exit code and output are its own: (processes, (stdout, stderr) each).
+    The timeout only guards against a hang."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "tests/fault_injection.py", "grpo.py", "save-enospc", "2", "--run-dir",
-                               str(tmp_path), *SMALL, "--num-steps", "3"], cwd=ROOT,
-                              env={**ENV, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
+    procs = [subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**ENV, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for r in range(2)]
+    return procs, [p.communicate(timeout=600) for p in procs]
+
+
+def test_a_damaged_random_state_of_rank_1_stops_both_ranks_with_the_same_line(tmp_path):
+    """rng_rank<r>.json is read by its own rank only. Before, rank 1 alone raised on a damaged one, and rank 0 went on
+    to the next collective (exit 1 with gloo's traceback once rank 1 was gone, or a wait). Now both exit 2 with the
+    same line naming rank 1's file."""
+    procs, outs = two_ranks("grpo.py", "--run-dir", str(tmp_path), *SMALL, "--num-steps", "1")
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    rng_file = os.path.join(tmp_path, "checkpoints", "step_000001", "rng_rank1.json")
+    with open(rng_file, "w") as f:
+        json.dump({"python": [3]}, f)  # JSON (a file that is not is refused earlier, by every rank), not a state
+    procs, outs = two_ranks("grpo.py", "--run-dir", str(tmp_path), *SMALL, "--num-steps", "2", "--resume", "latest")
+    assert [p.returncode for p in procs] == [2, 2], outs[0][1][-3000:] + outs[1][1][-3000:]
+    lines = [[line for line in err.splitlines() if line.startswith("grpo.py: error:")] for _, err in outs]
+    assert lines[0] == lines[1] and len(lines[0]) == 1, lines
+    assert f"{rng_file} is damaged: not a random state" in lines[0][0]
+
+
+def test_a_full_disk_on_rank_0_stops_both_ranks_with_the_same_line(tmp_path):
+    """2 ranks (gloo), rank 0's disk full while it writes model.safetensors at step 2's checkpoint. Before, rank 0
+    died alone with a traceback while rank 1 waited in the all-gather of the next tensor. Now both exit 3 with the
+    same one-line error naming rank 0 and the file, and step 1's checkpoint stays the newest complete one."""
+    procs, outs = two_ranks("tests/fault_injection.py", "grpo.py", "save-enospc", "2", "--run-dir", str(tmp_path),
+                            *SMALL, "--num-steps", "3")
     lines = []
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 3, err[-3000:]
