@@ -79,4 +79,4 @@ def minibatch_tokens(minibatches: list[list[list[int]]], response_lens: list[int
     """Collective. Each mini-batch's response tokens over all ranks (one all-reduce): the N_tok of a loss that is a
     mean over tokens (cispo.py's, ppo.py's value loss), so that micro-batches and ranks leave it unchanged."""
     counts = {k: float(sum(response_lens[i] for idx in mb for i in idx)) for k, mb in enumerate(minibatches)}
-    return list(reduce_stats(counts, "sum", device).values())  # (keys sorted: in mini-batch order)
+    return [n for _, n in sorted(reduce_stats(counts, "sum", device).items())]  # in mini-batch order
