@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from tqdm import tqdm
 
+from common.dist import agree_on_error
 from common.exits import SigintDeferred
 from common.fsdp import full_state_names, iter_full_state
-from common.logger import agree
 from common.preflight import check_model_dir, not_json
 from common.precision import TrainingFault
 
@@ -386,5 +386,5 @@ def load_training_state(path: str, model: torch.nn.Module, optimizer: torch.opti
                   "start afresh", flush=True)
     except ValueError as e:
         error = str(e)
-    agree(error, ValueError)
+    agree_on_error(error)
     return trainer_state, rank_state

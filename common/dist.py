@@ -73,6 +73,17 @@ def stream_seed(seed: int, stream: int) -> int:
     return int(np.random.SeedSequence([seed, stream]).generate_state(1)[0])  # 32 bits: what every consumer takes
 
 
+def agree_on_error(error: str | None, exc: type[Exception] = ValueError) -> None:
+    """Collective where a process group of several ranks exists: the first failing rank's error raised as `exc` on
+    every rank, so that all stop with the same line and none waits in a collective the failing one never joins."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise exc(error)
+
+
 def reduce_stats(values: dict, op: str = "sum", device=None) -> dict:
     """Reduce a dict of floats over all ranks with one collective (op: sum, max or min), in float64."""
     keys = sorted(values)

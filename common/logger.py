@@ -7,9 +7,9 @@ import os
 import re
 import time
 
-import torch.distributed as dist
 from tqdm import tqdm
 
+from common.dist import agree_on_error
 from common.precision import TrainingFault
 
 # the keys shown in the readable per-step line, with their short names
@@ -37,7 +37,7 @@ class Logger:
                 self.file = open_metrics(self.path, start_step)
             except OSError as e:
                 error = write_error(e, getattr(e, "filename", None) or run_dir, f"step {start_step}")
-        agree(error)
+        agree_on_error(error, LogWriteError)
         if not enabled:
             return
         self.bar = tqdm(total=total_steps, initial=start_step, desc=run_name or "train", dynamic_ncols=True,
@@ -60,7 +60,7 @@ class Logger:
                 write_row(self.file, (json.dumps({"step": step, **metrics}) + "\n").encode())
             except OSError as e:
                 error = write_error(e, self.path, f"step {step}")
-        agree(error)
+        agree_on_error(error, LogWriteError)
         if not self.enabled:
             return
         if self.wandb is not None:
@@ -84,17 +84,6 @@ class Logger:
             self.file.close()
             if self.wandb is not None:
                 self.wandb.finish()
-
-
-def agree(error: str | None, exc: type[Exception] = LogWriteError) -> None:
-    """Collective where a process group of several ranks exists: the first failing rank's error raised as `exc` on
-    every rank, so that all stop with the same line and none waits in a collective the failing one never joins."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e), None)
-    if error:
-        raise exc(error)
 
 
 def write_error(e: OSError, path: str, when: str) -> str:

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from common import checkpoint, exits
 from common.checkpoint import find_resume_dir, load_training_state, rng_state, set_rng_state
 from common.config import check_resume_config
-from common.logger import CONFIG_RESUME, agree, rows_after
+from common.dist import agree_on_error
+from common.logger import CONFIG_RESUME, rows_after
 from common.preflight import check_shared_dir
 
 RUN_FILES = ("config.json", "config.json.tmp", "metrics.jsonl", "metrics.jsonl.prev", "metrics.jsonl.tmp",
@@ -115,7 +116,7 @@ class RunDir:
                     set_aside_newer(self.checkpoints, step, os.path.join(self.path, "metrics.jsonl"))
                 except OSError as e:
                     error = f"--resume: cannot move the checkpoints after step {step} aside in {self.checkpoints}: {e}"
-            agree(error, ValueError)
+            agree_on_error(error)
         exits.progress.hint = partial(resume_hint, self.checkpoints)  # (not a lambda: it would keep self, the lock)
 
     def save(self, step: int, tokenizer, parts: dict, sampler) -> str:
@@ -150,7 +151,7 @@ class RunDir:
                     set_rng_state(streams, getattr(sampler, "generator", None))
             except ValueError as e:
                 error = str(e)
-        agree(error, ValueError)
+        agree_on_error(error)
         if dist.get_rank() == 0:
             print(f"[resume] from {self.resume_dir} at step {step}", flush=True)
         return step
@@ -215,7 +216,7 @@ def claim_run_dir(run_dir: str, resume: str | bool | None, overwrite: bool):
             error = str(e) if isinstance(e, ValueError) else f"--run-dir {run_dir!r}: {e.strerror or e}"
     if error and lock is not None:
         lock.release()
-    agree(error, ValueError)
+    agree_on_error(error)
     return lock
 
 
@@ -235,4 +236,4 @@ def clear_run_dir(run_dir: str) -> None:
                 print(f"[run-dir] --overwrite: removed {', '.join(found)} from {run_dir}", flush=True)
         except OSError as e:
             error = f"--overwrite: cannot remove the old run's {e.filename or run_dir}: {e.strerror or e}"
-    agree(error, ValueError)
+    agree_on_error(error)
