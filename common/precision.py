@@ -52,8 +52,9 @@ class LossScaler:
         if self.enabled:
             for g in [p.grad for p in params if p.grad is not None]:
                 g.mul_(1.0 / self.scale)
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)  # under FSDP2 a DTensor: full_tensor() is the
-        norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # norm over every rank's shard
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        # under FSDP2 a DTensor: full_tensor() is the norm over every rank's shard
+        norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
         self.norms.append(norm)
         skipped = not math.isfinite(norm)
         self.skipped_steps += skipped

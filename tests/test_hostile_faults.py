@@ -8,7 +8,6 @@ import io
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from test_bad_input import assert_one_line_error
+from test_faults import two_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -63,15 +63,8 @@ def test_ctrl_c_on_one_rank_during_a_save_stops_every_rank(tmp_path):
     """2 ranks (gloo); rank 0 alone gets the SIGINT, as it starts writing model.safetensors. It goes on taking part
     in the gathers of the weights, then every rank learns of the interrupt where the ranks agree after the phase:
     both exit 130 with the same line (no rank is left waiting in a collective), step 1 stays the newest."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "tests/fault_injection.py", "grpo.py", "save-sigint-weights", "2",
-                               "--run-dir", str(tmp_path), *SMALL, "--num-steps", "3"], cwd=ROOT,
-                              env={**ENV, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
+    procs, outs = two_ranks("tests/fault_injection.py", "grpo.py", "save-sigint-weights", "2", "--run-dir",
+                            str(tmp_path), *SMALL, "--num-steps", "3")
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 130, err[-3000:]
         assert [line for line in err.splitlines() if line.startswith("grpo.py:")] == [
