@@ -21,10 +21,12 @@ kernel for head_dim 64, whose FA3 tiles change with the step's mix); SiLU-and-mu
 (Model Runner V2: fp32 copy of the logits, temperature by v1/worker/gpu/sample/gumbel.py apply_temperature when
 T != 1, log-prob by v1/worker/gpu/sample/logprob.py compute_token_logprobs).
 """
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 
 from common.dist import print0
-from common.fsdp import decoder_layers
+from common.fsdp import checkpoint_layers, decoder_layers
 from common.precision import precision_name, resolve_precisions
 from common.sampler import resolve_sampler
 
@@ -326,6 +328,41 @@ def attention_backward(q, k, v, g, pack, scale: float):
         q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
         return torch.autograd.grad(padded_sdpa(q_, k_, v_, pack, scale), (q_, k_, v_), g)
 
+
+# A checkpoint's recompute (gradient checkpointing's of each decoder layer, the head's of each chunk), which only
+# supplies the backward's activations: the gradient need not be bitwise anyone's, only right within rounding, and the
+# log-probs are the first forward's. So there the ops may run torch's faster kernels (recompute_linear).
+
+_recompute = threading.local()  # per thread: CUDA tensors' backward, and so the recompute, runs on autograd's thread
+
+
+def recomputing() -> bool:
+    """Whether the ops run in a checkpoint's recompute, during the backward (checkpoint_context)."""
+    return getattr(_recompute, "on", False)
+
+
+class _Recomputing:
+    """Sets recomputing() while the recompute runs. A class, not a generator: torch enters the same object once per
+    recompute, and again if a backward through the same graph runs twice (retain_graph)."""
+    def __enter__(self):
+        self.before, _recompute.on = recomputing(), True
+
+    def __exit__(self, *exc):
+        _recompute.on = self.before
+
+
+def checkpoint_context():
+    """torch.utils.checkpoint's context_fn (non-reentrant) for the layers' checkpoints (ExactForward.install) and the
+    head's (PolicyModel.forward): the forward as it is, the recompute under _Recomputing."""
+    return contextlib.nullcontext(), _Recomputing()
+
+
+def recompute_linear(x, w):
+    """_Linear's forward in the recompute: torch's matmul (cuBLAS on a GPU) in the model dtype. vLLM's Triton
+    persistent matmul is slower than cuBLAS in bf16, and ran in both forwards of every checkpointed layer and chunk."""
+    return F.linear(x, w)
+
+
 class _RMSNorm(torch.autograd.Function):
     """y = x / sqrt(mean(x^2) + eps) * w; backward in fp32."""
     @staticmethod
@@ -341,11 +378,12 @@ class _RMSNorm(torch.autograd.Function):
 
 
 class _Linear(torch.autograd.Function):
-    """y = x @ W.T (no bias: vLLM adds it after the matmul, as a separate add); backward by torch's matmuls."""
+    """y = x @ W.T (no bias: vLLM adds it after the matmul, as a separate add), by `kernel` except in a checkpoint's
+    recompute (recompute_linear); backward by torch's matmuls."""
     @staticmethod
     def forward(ctx, x, w, kernel):
         ctx.save_for_backward(x, w)
-        return kernel(x, w)
+        return recompute_linear(x, w) if recomputing() else kernel(x, w)
 
     @staticmethod
     def backward(ctx, g):
@@ -488,10 +526,15 @@ class ExactForward:
         self.tap = None
         self.blas = "unchanged"  # what the trainer's cuBLAS runs with (enable_exact: trainer_blas)
 
+    checkpoint_context = staticmethod(checkpoint_context)  # for the head's checkpointed chunks (PolicyModel.forward)
+
     def install(self, lm) -> None:
         """Route each decoder layer's forward through the exact layer when it is called with exact=(self, pack), and
         through its own forward otherwise. The layer is still called through its module: FSDP2's hooks unshard its
-        weights, Hugging Face's GradientCheckpointingLayer checkpoints it."""
+        weights, Hugging Face's GradientCheckpointingLayer checkpoints it (with checkpoint_context: the recompute on
+        torch's matmul)."""
+        if lm.is_gradient_checkpointing:
+            checkpoint_layers(lm, context_fn=checkpoint_context)
         for layer in decoder_layers(lm):
             if getattr(layer, "_exact_dispatch", False):
                 continue

@@ -59,10 +59,7 @@ def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device
         if isinstance(m, nn.Dropout):
             m.p = 0.0  # (an nn.Dropout whose rate a config field did not set)
     if gradient_checkpointing:
-        if hasattr(lm, "activation_checkpointing_enable"):  # the name since transformers 5.2x
-            lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_layers(lm)
     lm.config.use_cache = False
     model = wrap(lm)
     prefix = next(n for n, m in model.named_children() if m is lm) + "."
@@ -90,6 +87,17 @@ def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device
     if compile and device.type == "cuda":
         compile_layers(lm)
     return model
+
+
+def checkpoint_layers(lm: nn.Module, **checkpoint_kwargs) -> None:
+    """Hugging Face's gradient checkpointing of each decoder layer: torch.utils.checkpoint.checkpoint, non-reentrant,
+    with `checkpoint_kwargs` besides (exact mode adds its context_fn). Callable again on a model FSDP2 has sharded:
+    it sets each layer's checkpoint function and hooks the embedding (Hugging Face's enable_input_require_grads)."""
+    kwargs = {"use_reentrant": False, **checkpoint_kwargs}
+    if hasattr(lm, "activation_checkpointing_enable"):  # the name since transformers 5.2x
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def compile_layers(lm: nn.Module) -> None:

@@ -3,7 +3,7 @@ tokens and a vocabulary of 152K, 10 GB): chunks of tokens, each checkpointed und
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 
 def _chunk_logprobs(hidden_NH, weight_VH, targets_N, temperature: float, with_entropy: bool):
@@ -18,14 +18,16 @@ def _chunk_logprobs(hidden_NH, weight_VH, targets_N, temperature: float, with_en
 
 
 def chunked_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, temperature: float,
-                     chunk_size: int, with_entropy: bool = False, chunk_fn=_chunk_logprobs):
+                     chunk_size: int, with_entropy: bool = False, chunk_fn=_chunk_logprobs,
+                     context_fn=noop_context_fn):
     """log softmax(hidden @ weight.T / temperature)[target] in fp32, computed `chunk_size` tokens at a time by
-    `chunk_fn` (exact mode passes its own, exact.py). Returns (logp_N, entropy_N or None)."""
+    `chunk_fn`, each chunk checkpointed with `context_fn` (exact mode passes its own of both, exact.py). Returns
+    (logp_N, entropy_N or None)."""
     logps, ents = [], []
     for i in range(0, hidden_NH.shape[0], chunk_size):
         args = (hidden_NH[i:i + chunk_size], weight_VH, targets_N[i:i + chunk_size], temperature, with_entropy)
         if torch.is_grad_enabled() and hidden_NH.requires_grad:
-            lp, ent = checkpoint(chunk_fn, *args, use_reentrant=False)
+            lp, ent = checkpoint(chunk_fn, *args, use_reentrant=False, context_fn=context_fn)
         else:
             lp, ent = chunk_fn(*args)
         logps.append(lp)
@@ -52,13 +54,13 @@ class PolicyModel(nn.Module):
         (row b holds response b's tokens at 0..len_b-1). Returns (logp_BT, entropy_BT or None), fp32, 0 off-mask."""
         if self.exact is None:
             hidden_NH, targets_N = response_hidden(self.lm, input_ids_BL, attention_mask_BL, response_mask_BT)
-            chunk_fn = _chunk_logprobs
+            chunk_fn, context_fn = _chunk_logprobs, noop_context_fn
         else:
             hidden_NH, targets_N = self.exact.response_hidden(self.lm, input_ids_BL, attention_mask_BL,
                                                               response_mask_BT)
-            chunk_fn = self.exact.chunk_logprobs
+            chunk_fn, context_fn = self.exact.chunk_logprobs, self.exact.checkpoint_context
         logp_N, ent_N = chunked_logprobs(hidden_NH, self.lm.lm_head.weight, targets_N, temperature, chunk_size,
-                                         with_entropy, chunk_fn)
+                                         with_entropy, chunk_fn, context_fn)
         logp_BT = torch.zeros(response_mask_BT.shape, dtype=torch.float32, device=logp_N.device)
         logp_BT = logp_BT.masked_scatter(response_mask_BT, logp_N)  # row-major order matches on both sides
         ent_BT = None

@@ -345,16 +345,19 @@ def tiny_family_dir(path: str, family: str) -> str:
 
 @pytest.mark.parametrize("family, gradient_checkpointing, fused", [("qwen2", False, True), ("qwen2", True, False),
                                                                    ("llama", False, True), ("qwen3", True, True)])
-def test_exact_forward_equals_the_default_forward_up_to_rounding(tiny_model_dir, process_group, tmp_path, family,
-                                                                gradient_checkpointing, fused):
+def test_exact_forward_equals_the_default_forward_up_to_rounding(tiny_model_dir, process_group, tmp_path, monkeypatch,
+                                                                family, gradient_checkpointing, fused):
     """A PolicyModel (FSDP2, fp32) in exact mode, the torch reference kernels standing in for vLLM's: log-probs,
     entropy and gradients agree with the default forward within fp32 rounding (conftest.fp32_rounding_bound), with
     a temperature (the temperature op) and chunks smaller than the batch; model.exact = None goes back to the default
     forward bit for bit. This runs the packing, the layer dispatch under FSDP2 and gradient checkpointing, the
     chunked head and every Function's backward; on Qwen2
-    (biases on q/k/v), Llama (no biases) and Qwen3 (q/k norms)."""
+    (biases on q/k/v), Llama (no biases) and Qwen3 (q/k norms). The checkpoints' recompute rounds its matmuls
+    otherwise than the first forward, as cuBLAS's against vLLM's on a GPU (here fp64 products, each rounded once)."""
+    import exact
     from conftest import assert_close_to_rounding, fp32_rounding_bound
     from common.fsdp import load_policy
+    monkeypatch.setattr(exact, "recompute_linear", lambda x, w: (x.double() @ w.double().t()).to(x.dtype))
     _, _, device = process_group
     model_dir = tiny_model_dir if family == "qwen2" else tiny_family_dir(str(tmp_path / family), family)
     prompts, responses, batch = _rows()
@@ -382,6 +385,46 @@ def test_exact_forward_equals_the_default_forward_up_to_rounding(tiny_model_dir,
     assert torch.equal(lp2, lp0) and torch.equal(g2, g0)
     assert (lp1[~batch[2]] == 0).all() and g1.abs().sum() > 0
     assert not runs["exact_ent_grad"]  # the entropy: a metric without a graph (test_logprobs says why)
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_a_checkpoints_recompute_runs_torchs_matmul_not_the_kernel(tiny_model_dir, process_group, monkeypatch,
+                                                                   gradient_checkpointing):
+    """The recompute of a checkpoint (gradient checkpointing's of each layer, the head's of each chunk, which always
+    runs under gradient) calls torch's matmul (recompute_linear) for the projections, never the kernel's (vLLM's
+    Triton matmul on a GPU, slower than cuBLAS in bf16); the first forward calls the kernel only, and its log-probs are
+    the same bit for bit as a forward without any checkpoint (no_grad)."""
+    import exact
+    from common.fsdp import load_policy
+    _, _, device = process_group
+    _, _, batch = _rows()
+    calls = {"kernel": 0, "torch": 0}
+
+    class CountingKernels(TorchKernels):
+        def linear(self, x, w):
+            calls["kernel"] += 1
+            return TorchKernels.linear(x, w)
+
+    def torch_linear(x, w):
+        calls["torch"] += 1
+        return exact.F.linear(x, w)
+    monkeypatch.setattr(exact, "recompute_linear", torch_linear)
+    model = load_policy(tiny_model_dir, torch.float32, device, gradient_checkpointing=gradient_checkpointing)
+    cfg = model.lm.config
+    ex = ExactForward(CountingKernels(), rope_cache(cfg.head_dim, cfg.max_position_embeddings,
+                                                    cfg.rope_parameters["rope_theta"], torch.float32), page_size=4)
+    ex.install(model.lm)
+    model.exact = ex
+    model.train()
+    with torch.no_grad():
+        want, _ = model(*batch, 0.7, 5)
+    logp, _ = model(*batch, 0.7, 5)
+    layers, chunks = 4 * cfg.num_hidden_layers, 2  # q/k/v, o, gate/up, down; 8 response tokens in chunks of 5
+    assert calls == {"kernel": 2 * (layers + chunks), "torch": 0}
+    assert torch.equal(logp, want)
+    logp.sum().backward()
+    assert calls == {"kernel": 2 * (layers + chunks), "torch": chunks + (layers if gradient_checkpointing else 0)}
+    assert not exact.recomputing()
 
 
 # ---------------------------------------------------------------------------------------------------------------
