@@ -36,7 +36,7 @@ PARTS_DIR ?=
 fetch-model = $(PY) -m tasks.real_model --name $(1) $(if $(PARTS_DIR),--parts-dir "$(PARTS_DIR)")
 
 .PHONY: install run test test-slow test-multirank-loop sanity sanity-ci sanity-real sanity-cot sanity-control real-model \
-	reward-model reward-model-real bench clean
+	reward-model reward-model-real reward-model-real-prep reward-model-real-run reward-model-real-plot bench clean
 
 install: $(VENV)/.installed
 
@@ -153,29 +153,48 @@ reward-model: install
 # A learned reward on the real model (SmolLM2-135M-Instruct, MODEL= another) and the word problems, one GPU with vLLM
 # (docs/reward-models.md): pairs from the model's own samples judged by the number rule (k = 8; held out: the
 # evaluation problems), a reward model trained on them from the model itself (chat format), then grpo.py against it
-# (the rule beside it) and, to compare, against the rule, REAL_RM_STEPS steps each, evaluated every 10 steps; the
-# curves of the score and of the true accuracy in $(REAL_RM_DIR)/curves.png
+# (the rule beside it), against it with the KL leash at each REAL_RM_BETAS, and against the rule, REAL_RM_STEPS steps
+# each, evaluated every 10 steps; the curves of the score and of the true accuracy in $(REAL_RM_DIR)/curves.png.
+# In parts: reward-model-real-prep (pairs and reward model), reward-model-real-run RUN=rm|rule|kl<BETA> (one run,
+# e.g. one per GPU at once), reward-model-real-plot.
 REAL_RM_DIR ?= runs/reward_model_real
 REAL_RM_STEPS ?= 100
-# extra flags of tasks/reward_model.py (e.g. --lm-coef 0.1) and of both grpo.py runs
+# the leash's betas, fixed before the first run (docs/reward-models.md says why these two)
+REAL_RM_BETAS ?= 0.1 1
+# extra flags of tasks/reward_model.py (e.g. --lm-coef 0.1) and of every grpo.py run
 REAL_RM_TRAIN_ARGS ?=
 REAL_RM_ARGS ?=
-reward-model-real: real-model
-	model="$$($(call fetch-model,$(or $(MODEL),smollm2-135m-instruct)))" && \
-	train="$$($(PY) -m tasks.word_problems | sed -n 1p)" && eval="$$($(PY) -m tasks.word_problems | sed -n 2p)" && \
-	task="--prompt-template chat:{problem} --reward number --max-response-len 128 --sampler vllm" && \
-	$(PY) -m tasks.reward_pairs --model "$$model" --dataset "$$train" --out $(REAL_RM_DIR)/train_pairs.jsonl $$task && \
-	$(PY) -m tasks.reward_pairs --model "$$model" --dataset "$$eval" --out $(REAL_RM_DIR)/eval_pairs.jsonl $$task && \
+REAL_RM_RUNS = rm $(addprefix kl,$(REAL_RM_BETAS)) rule
+real_rm_model = $$($(call fetch-model,$(or $(MODEL),smollm2-135m-instruct)))
+real_rm_task = --prompt-template chat:{problem} --reward number --max-response-len 128 --sampler vllm
+real_rm_data = train="$$($(PY) -m tasks.word_problems | sed -n 1p)" && eval="$$($(PY) -m tasks.word_problems | sed -n 2p)"
+
+reward-model-real: reward-model-real-prep
+	for run in $(REAL_RM_RUNS); do $(MAKE) --no-print-directory reward-model-real-run RUN=$$run || exit 1; done
+	$(MAKE) --no-print-directory reward-model-real-plot
+
+reward-model-real-prep: real-model
+	model="$(real_rm_model)" && $(real_rm_data) && \
+	$(PY) -m tasks.reward_pairs --model "$$model" --dataset "$$train" --out $(REAL_RM_DIR)/train_pairs.jsonl \
+		$(real_rm_task) && \
+	$(PY) -m tasks.reward_pairs --model "$$model" --dataset "$$eval" --out $(REAL_RM_DIR)/eval_pairs.jsonl \
+		$(real_rm_task) && \
 	$(PY) -m tasks.reward_model --base "$$model" --pairs $(REAL_RM_DIR)/train_pairs.jsonl \
 		--eval-pairs $(REAL_RM_DIR)/eval_pairs.jsonl --out-dir $(REAL_RM_DIR)/rm --overwrite --lr 1e-5 --epochs 2 \
-		--batch-size 32 --precision bf16 $(REAL_RM_TRAIN_ARGS) && \
-	for run in rm rule; do \
-		$(PY) grpo.py --model "$$model" --dataset "$$train" --eval-dataset "$$eval" $$task --lr 1e-5 \
-			--num-steps $(REAL_RM_STEPS) --eval-every 10 --save-every 0 --run-dir $(REAL_RM_DIR)/grpo_$$run \
-			--overwrite $$([ $$run = rm ] && echo --reward-model $(REAL_RM_DIR)/rm) $(REAL_RM_ARGS) || exit 1; \
-	done && \
-	$(PY) sanity/plot_runs.py $(REAL_RM_DIR)/grpo_rm $(REAL_RM_DIR)/grpo_rule --labels "reward model" "rule" \
-		--keys reward_model/score_mean train/accuracy eval/eval/accuracy --out $(REAL_RM_DIR)/curves.png
+		--batch-size 32 --precision bf16 $(REAL_RM_TRAIN_ARGS)
+
+reward-model-real-run:
+	@case "$(RUN)" in rm|rule|kl?*) ;; *) echo "RUN=$(RUN): one of $(REAL_RM_RUNS) (kl<BETA>: any beta)"; exit 2;; esac
+	model="$(real_rm_model)" && $(real_rm_data) && \
+	$(PY) grpo.py --model "$$model" --dataset "$$train" --eval-dataset "$$eval" $(real_rm_task) --lr 1e-5 \
+		--num-steps $(REAL_RM_STEPS) --eval-every 10 --save-every 0 --run-dir $(REAL_RM_DIR)/grpo_$(RUN) --overwrite \
+		$(if $(filter rule,$(RUN)),,--reward-model $(REAL_RM_DIR)/rm) \
+		$(if $(filter kl%,$(RUN)),--kl-coef $(patsubst kl%,%,$(RUN))) $(REAL_RM_ARGS)
+
+reward-model-real-plot:
+	$(PY) sanity/plot_runs.py $(addprefix $(REAL_RM_DIR)/grpo_,$(REAL_RM_RUNS)) \
+		--labels "reward model" $(foreach b,$(REAL_RM_BETAS),"reward model, beta $(b)") "rule" \
+		--keys reward_model/score_mean train/accuracy eval/eval/accuracy kl_ref/kl_k3 --out $(REAL_RM_DIR)/curves.png
 
 bench: install
 	$(PY) bench/benchmark.py $(BENCH_ARGS)
