@@ -751,3 +751,29 @@ def test_builtin_takes_no_other_flag():
     from tasks.reward_model import Args, main
     with pytest.raises(ValueError, match="--builtin takes no other flag.*--lr"):
         main(Args(builtin=True, lr=1e-3))
+
+
+def _make(*args: str, dry: bool = True) -> subprocess.CompletedProcess:
+    cmd = ["make", "-s", "-C", ROOT, *(["-n"] if dry else []), "VENV=/nonexistent", "PY=python3", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_the_real_model_targets_run_each_arm_with_its_flags():
+    """make reward-model-real's runs (printed, not run: make -n): the learned reward's, the leash's at each
+    REAL_RM_BETAS with its --kl-coef, the rule's without the reward model, all four in reward-model-real and on the
+    plot; a RUN that is none of them stops with one line and exit 2 before anything runs."""
+    runs = {run: _make("reward-model-real-run", f"RUN={run}") for run in ("rm", "kl0.1", "kl1", "rule")}
+    for run, p in runs.items():
+        assert p.returncode == 0, p.stderr
+        line = " ".join(p.stdout.split())
+        assert f"--run-dir runs/reward_model_real/grpo_{run} " in line
+        assert ("--reward-model runs/reward_model_real/rm" in line) == (run != "rule")
+        assert ("--kl-coef" in line) == run.startswith("kl")
+    assert "--kl-coef 0.1 " in " ".join(runs["kl0.1"].stdout.split()) + " "
+    whole = _make("reward-model-real", "REAL_RM_BETAS=0.5")
+    assert whole.returncode == 0, whole.stderr
+    assert all(f"--run-dir runs/reward_model_real/grpo_{run} " in whole.stdout for run in ("rm", "kl0.5", "rule"))
+    assert '"reward model, beta 0.5"' in whole.stdout and "grpo_kl0.1" not in whole.stdout
+    bad = _make("reward-model-real-run", "RUN=kl", dry=False)
+    assert bad.returncode == 2 and "RUN=kl: one of rm kl0.1 kl1 rule" in bad.stdout
