@@ -22,13 +22,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 # CPU runs on 2 shared cores 3x slower (docs/results.md, "On a CPU")
 import torch
 
-from common import batches, cli, data, logprobs, metrics, preflight, rewards, rundir
+from common import batches, cli, logprobs, metrics, preflight, rundir
 from common.dist import print0, seed_everything, setup_distributed
 from common.fsdp import iter_full_state, load_policy, load_reference
 from common.logger import Logger
 from common.precision import LossScaler, TrainingFault, check_finite_logprobs, resolve_precisions
 from common.sampler import make_sampler
 from corrections import Corrections, CorrectionsField
+from tasks import data, rewards
 from tasks.builtin import with_builtin_task
 
 
@@ -175,6 +176,7 @@ def validate(args: Args, world_size: int) -> None:
     """Everything that can be checked before a model is loaded: the flags every script shares (common/cli.py), then
     this script's."""
     cli.validate(args, world_size, group_size=GROUP_SIZE)
+    rewards.check_args(args)  # --reward (a plug-in's module imported, in a worker) and the --rm-* flags
     args.corrections.check(args.old_logp)
 
 

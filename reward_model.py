@@ -8,7 +8,7 @@ responses, a token budget of sequences per forward; no collective.
 
 What it reads is built from text with its own tokenizer, the same way when it is trained and when it scores
 (rm_input_ids): the prompt as the policy's --prompt-template wrote it (the user turn of a chat template, or the raw
-prompt: common.data.prompt_text) and the response decoded from the policy's tokens, then in format
+prompt: tasks.data.prompt_text) and the response decoded from the policy's tokens, then in format
   'chat'  its tokenizer's chat template around a user turn and an assistant turn, or
   'raw'   prompt + response + its end-of-sequence token.
 A run's format follows its prompts: chat turns give 'chat', a raw template 'raw'. A reward model with another
@@ -32,12 +32,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from common.data import is_chat, prompt_text
+from tasks.data import is_chat, prompt_text
 from common.dist import print0, reduce_stats
 from common.logprobs import split_microbatches
 from common.precision import DTYPES
 from common.preflight import check_model_dir
-from common.rewards import RewardModelFlags, check_reward_flags
+from tasks.rewards import RewardModelFlags, check_reward_flags
 
 INFO_FILE = "reward_model.json"  # written by tasks/reward_model.py beside the weights: the format it was trained on
 # where a score is read (score_token): "last", the input's last token (tasks/reward_model.py trains there);
@@ -308,7 +308,7 @@ class RewardModel:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# what a script uses: the learned reward of common.rewards.Reward
+# what a script uses: the learned reward of tasks.rewards.Reward
 
 
 class RunningMeanStd:
@@ -338,7 +338,7 @@ class RunningMeanStd:
 
 
 class LearnedReward:
-    """The reward model's score as the reward that trains (common.rewards.Reward holds one with --reward-model),
+    """The reward model's score as the reward that trains (tasks.rewards.Reward holds one with --reward-model),
     normalized and clipped per --rm-*. A cut or failed response gets the step's lowest reward over all ranks, or
     truncated_reward when lower: docs/reward-models.md, "Using one: the flags"."""
     said_failed = False  # a failed score is reported once per process
@@ -399,7 +399,7 @@ class LearnedReward:
 
 @dataclass(frozen=True)
 class Learned:
-    """A checked --reward-model: what common.rewards.Reward loads at setup (it calls load; common/ imports no
+    """A checked --reward-model: what tasks.rewards.Reward loads at setup (it calls load; common/ imports no
     reward_model.py)."""
     flags: RewardModelFlags
     fmt: str  # the input format, 'chat' or 'raw' (check_reward_model)
@@ -425,5 +425,5 @@ class Learned:
 
 def check_run(args) -> Learned:
     """--reward-model in a script, before any model loads: check_reward_model of its flags (args.learned_reward) and
-    args.prompt_template; the script hands the result to common.rewards.Reward."""
+    args.prompt_template; the script hands the result to tasks.rewards.Reward."""
     return Learned(args.learned_reward, check_reward_model(args.learned_reward, args.prompt_template))

@@ -903,7 +903,7 @@ def vllm_generate_child(spec: dict) -> None:
         prepare_vllm_process(exact)
     from vllm.inputs import TokensPrompt
 
-    from common.data import encode_problems, load_problems
+    from tasks.data import encode_problems, load_problems
     from common.cli import Infra
     from common.sampler import make_sampler
     _, _, device = setup_distributed()

@@ -12,7 +12,6 @@ import tyro
 from common import exits
 from common.config import _show, config_changes, flat_fields, run_config  # noqa: F401 (the scripts' start-up line)
 from common.preflight import check_model_dir
-from common.rewards import check_reward, check_reward_flags
 from common.sampler import resolve_sampler
 
 
@@ -171,8 +170,6 @@ def validate(args, world_size: int, **ranges) -> None:
                          "incomparable (use --eval-top-p for evaluation)")
     exact_div(world_size, infra.vllm_tp, "the number of ranks over --vllm-tp")
     resolve_sampler(infra.sampler)
-    check_reward(args.reward)  # imports a plug-in's module here, so that a typo fails before any model loads
-    check_reward_flags(args.learned_reward)  # no --rm-* flag without --reward-model (reward_model.py checks the rest)
     if args.model is not None:
         check_model_dir(args.model)
     for path in ([args.dataset] if args.dataset else []) + list(infra.eval_dataset):

@@ -213,7 +213,7 @@ def validate(args: Args) -> None:
         raise FileNotFoundError(f"dataset {args.dataset!r}: no such file")
     from common.sampler import resolve_sampler
     resolve_sampler(args.sampler)
-    from common.rewards import check_reward
+    from tasks.rewards import check_reward
     check_reward(args.reward)
 
 
@@ -224,9 +224,9 @@ def main(args: Args) -> dict:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from common.data import encode_problems, load_problems
+    from tasks.data import encode_problems, load_problems
     from common.dist import setup_distributed
-    from common.rewards import score_responses
+    from tasks.rewards import score_responses
     from common.precision import DTYPES
     from common.sampler import make_sampler, resolve_sampler
 

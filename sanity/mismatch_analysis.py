@@ -248,7 +248,7 @@ def main(args: Args) -> dict:
                           f"BUILTIN in {os.path.basename(__file__)} (no --model)"))
     from transformers import AutoTokenizer
 
-    from common.data import encode_problems, load_problems
+    from tasks.data import encode_problems, load_problems
     from common.dist import setup_distributed
     from common.fsdp import load_policy
     from common.precision import DTYPES

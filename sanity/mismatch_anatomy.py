@@ -731,7 +731,7 @@ def main(args: Args) -> dict:
     print0(config_changes(args, Args(), BUILTIN if args.model is None else {},
                           f"BUILTIN in {os.path.basename(__file__)} (no --model)"))
     from transformers import AutoTokenizer
-    from common.data import encode_problems, load_problems
+    from tasks.data import encode_problems, load_problems
     from common.dist import setup_distributed
     model_path, dataset = args.model, args.dataset
     if model_path is None or dataset is None:

@@ -44,7 +44,7 @@ if ROOT not in sys.path:  # `python sanity/run_sanity.py` from anywhere
 
 from common import exits
 from common.cli import config_changes, parse
-from common.scripts import algorithm_scripts
+from sanity.scripts import algorithm_scripts
 from sanity.report import fmt, md_table, pass_check, plot_curves, read_metrics
 
 # a configuration other than a script's defaults -> (its script, the flags that make it): the study's grid has three
@@ -55,7 +55,7 @@ CONFIGS = {"grpo_token_tis": ("grpo", ["--is-correction", "token-tis"]),
 
 
 def configurations(root: str = ROOT) -> list[str]:
-    """What --algorithms takes: every algorithm script of the checkout by its name without .py (common/scripts.py:
+    """What --algorithms takes: every algorithm script of the checkout by its name without .py (sanity/scripts.py:
     a fork is one of them once its file exists), then the CONFIGS."""
     return [s.removesuffix(".py") for s in algorithm_scripts(root)] + list(CONFIGS)
 

@@ -422,7 +422,7 @@ def _build_builtin(tmp: str) -> None:
     (tasks/reward_pairs.py), right against wrong; those problems are kept out of the training pairs. What the
     alternatives gave is in docs/reward-models.md (without the next-token loss the model never learned to check the
     last digit of a two-digit sum, and a policy trained against it unlearned the task)."""
-    from common.data import encode_problems, load_problems
+    from tasks.data import encode_problems, load_problems
     from common.hf_sampler import HFSampler
     from tasks.builtin import ensure_builtin_task
     from tasks.reward_pairs import sample_pairs, write_jsonl

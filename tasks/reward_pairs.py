@@ -86,8 +86,8 @@ def sample_pairs(sampler, tokenizer, problems: list[dict], template: str, rule: 
                  progress: bool = True) -> tuple[list[dict], dict]:
     """Pairs ({prompt, chosen, rejected, problem, answer}) from `sampler`'s responses to `problems` (encoded: with
     prompt_ids), judged by `rule`. Returns (pairs, counts of what was sampled)."""
-    from common.data import prompt_text
-    from common.rewards import score_responses
+    from tasks.data import prompt_text
+    from tasks.rewards import score_responses
     rng = random.Random(seed)
     pairs, n_resp, n_cut, n_right, n_with_pairs = [], 0, 0, 0.0, 0
     t0 = time.perf_counter()
@@ -124,7 +124,7 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
 
 def main(args: Args) -> dict:
     from common.preflight import check_model_dir
-    from common.rewards import check_reward
+    from tasks.rewards import check_reward
     from common.sampler import make_sampler, resolve_sampler
     check_model_dir(args.model)
     if not os.path.isfile(args.dataset):
@@ -143,7 +143,7 @@ def main(args: Args) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from common.data import encode_problems, load_problems
+    from tasks.data import encode_problems, load_problems
     from common.dist import setup_distributed
     from common.precision import DTYPES
     _, _, device = setup_distributed()  # a group of one (the vLLM sampler runs over it)

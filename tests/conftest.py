@@ -10,9 +10,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.scripts import algorithm_scripts  # noqa: E402  (after the path: the tests run from any directory)
+from sanity.scripts import algorithm_scripts  # noqa: E402  (after the path: the tests run from any directory)
 
-SCRIPTS = algorithm_scripts(ROOT)  # the one list of the algorithm scripts that tests run (common/scripts.py)
+SCRIPTS = algorithm_scripts(ROOT)  # the one list of the algorithm scripts that tests run (sanity/scripts.py)
 
 
 def pytest_configure(config):

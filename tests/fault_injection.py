@@ -30,7 +30,7 @@ import common.dist
 import common.exits
 import common.logger
 import common.precision
-import common.rewards
+import tasks.rewards
 import common.hf_sampler
 
 script, mode, from_step, argv = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
@@ -47,20 +47,20 @@ if mode == "nan":
     scale_loss = common.precision.LossScaler.scale_loss
     common.precision.LossScaler.scale_loss = lambda self, loss: scale_loss(self, loss * float("nan") if on["now"] else loss)
 elif mode == "reward":
-    exact, calls = common.rewards._CHECKS["exact"], [0]
+    exact, calls = tasks.rewards._CHECKS["exact"], [0]
     def flaky(response, answer):  # noqa: E306
         calls[0] += 1
         if on["now"] and calls[0] % 2:
             raise RuntimeError("injected reward failure")
         return exact(response, answer)
-    common.rewards._CHECKS["exact"] = flaky
+    tasks.rewards._CHECKS["exact"] = flaky
 elif mode == "reward-all":
-    exact = common.rewards._CHECKS["exact"]
+    exact = tasks.rewards._CHECKS["exact"]
     def broken(response, answer):  # noqa: E306
         if on["now"]:
             raise RuntimeError("injected reward failure")
         return exact(response, answer)
-    common.rewards._CHECKS["exact"] = broken
+    tasks.rewards._CHECKS["exact"] = broken
 elif mode == "nan-logprob":  # the sampler reports a NaN log-prob (a forward that overflowed in 16 bits)
     generate = common.hf_sampler.HFSampler.generate
     def nan_first(self, *a, **k):  # noqa: E306
@@ -154,15 +154,15 @@ elif mode == "log-enospc":
         return write_row(file, data)
     common.logger.write_row = full_disk_row
 elif mode == "reward-kill-sigint":  # a second Ctrl-C as the first one's handling kills the reward workers
-    import common.reward_pool
-    kill_all = common.reward_pool.kill_all
+    import tasks.reward_pool
+    kill_all = tasks.reward_pool.kill_all
     def kill_all_interrupted():  # noqa: E306
         os.kill(os.getpid(), signal.SIGINT)
         return kill_all()
-    common.reward_pool.kill_all = kill_all_interrupted
+    tasks.reward_pool.kill_all = kill_all_interrupted
 elif mode == "import-timeout":
-    import common.reward_pool
-    common.reward_pool.IMPORT_TIMEOUT_S = 2.0
+    import tasks.reward_pool
+    tasks.reward_pool.IMPORT_TIMEOUT_S = 2.0
 else:
     raise SystemExit(f"unknown mode {mode!r}")
 

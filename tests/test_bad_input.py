@@ -14,11 +14,11 @@ import sys
 
 import pytest
 
-from common import rewards
+from tasks import rewards
 from common.cli import RANGES, Infra, check_ranges
 from common.preflight import check_model_dir
-from common.rewards import evaluate
-from common.rewards import score_rollout
+from tasks.rewards import evaluate
+from tasks.rewards import score_rollout
 from conftest import SCRIPTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,7 +7,7 @@ import torch
 from common.batches import Rollout, batch_problems, minibatch_tokens, minibatches
 from common.metrics import StepStats
 from common.precision import LossScaler
-from common.rewards import Reward
+from tasks.rewards import Reward
 
 
 def test_ranks_split_each_step_and_every_epoch_is_a_permutation():

@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from common.data import INSTRUCTION, encode_problems, format_prompt, load_problems
+from tasks.data import INSTRUCTION, encode_problems, format_prompt, load_problems
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"

@@ -1,9 +1,9 @@
-"""common/rewards.py's evaluate: every rank calls the sampler's generate, also with an empty share of an evaluation
+"""tasks/rewards.py's evaluate: every rank calls the sampler's generate, also with an empty share of an evaluation
 file (a vLLM engine sharded over a tensor-parallel group gathers its prompts in generate: a rank that skipped the call
 hung the others). grpo.py under torchrun with --vllm-tp 2 and a 1-problem evaluation is in tests/test_vllm.py."""
 from common.batches import Rollout
 from common.cli import Infra
-from common.rewards import evaluate
+from tasks.rewards import evaluate
 
 
 class RecordingSampler:

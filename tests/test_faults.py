@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from common.checkpoint import find_resume_dir, list_checkpoints, load_training_state
 from common.logger import open_metrics
 from common.metrics import MismatchMonitor
-from common.rewards import score_rollout
+from tasks.rewards import score_rollout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -121,7 +121,7 @@ def test_reward_failures_score_zero_and_are_counted():
             raise RuntimeError("bad reward")
         return float(response == answer)
 
-    import common.rewards as rewards
+    import tasks.rewards as rewards
     original = rewards._CHECKS["exact"]
     rewards._CHECKS["exact"] = check
     try:
@@ -132,7 +132,7 @@ def test_reward_failures_score_zero_and_are_counted():
 
 
 def test_math_timeout_counts_as_a_failure(monkeypatch):
-    from common import reward_pool
+    from tasks import reward_pool
     monkeypatch.setattr(reward_pool, "check_math", lambda pred, gold, timeout_s: None)  # the worker did not answer in time
     assert score_rollout([r"\boxed{2^{2^{2^{99}}}}"], ["3"], [True], "math") == ([0.0], 1)
 

@@ -310,7 +310,7 @@ def test_a_plugin_that_hangs_at_import_stops_the_start_with_one_line(tmp_path):
     (tmp_path / "hangs_on_import.py").write_text("import time\ntime.sleep(3600)\n\ndef score(r, a):\n    return 1.0\n")
     p = inject("grpo.py", "import-timeout", 1, tmp_path / "run", "--reward", "hangs_on_import:score", cwd=tmp_path)
     assert_one_line_error(p, 2, "--reward 'hangs_on_import:score': importing hangs_on_import did not finish within "
-                                "2 s (IMPORT_TIMEOUT_S in common/reward_pool.py)")
+                                "2 s (IMPORT_TIMEOUT_S in tasks/reward_pool.py)")
     assert "Loading weights" not in p.stderr
 
 
@@ -322,8 +322,8 @@ def test_a_plugin_that_hangs_at_import_deaf_to_the_workers_timer_is_killed(tmp_p
         import sys, time
         sys.path.insert(0, {ROOT!r})
         sys.path.append({str(tmp_path)!r})
-        from common import rewards
-        from common import reward_pool
+        from tasks import rewards
+        from tasks import reward_pool
         reward_pool.IMPORT_TIMEOUT_S = 1.0
         try:
             rewards.check_reward("deaf_on_import:score")

@@ -483,7 +483,7 @@ def test_a_model_whose_config_is_not_json_is_named(tiny_model_dir, tmp_path):
 
 
 def test_a_dataset_that_is_not_utf8_is_named(tmp_path):
-    from common.data import load_problems
+    from tasks.data import load_problems
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(b'{"problem": "1+1=", "answer": "2"}\n{"problem": "caf\xe9", "answer": "3"}\n')
     with pytest.raises(ValueError, match=f"{path}: line 2: not UTF-8 text \\(byte 0xe9 at column 17\\)"):

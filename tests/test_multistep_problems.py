@@ -8,10 +8,10 @@ import random
 import re
 from fractions import Fraction
 
-from common.data import load_problems
+from tasks.data import load_problems
 from tasks.multistep_problems import MAX_STEPS, MIN_STEPS, N_EVAL, N_TRAIN, SEED, ensure_multistep_problems, \
     make_problems
-from common.rewards import math_reward
+from tasks.rewards import math_reward
 
 
 def recompute(chain: list) -> Fraction:

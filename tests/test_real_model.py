@@ -96,7 +96,7 @@ def real_model_dir():
 @needs_download
 def test_converted_model_ends_where_the_chat_template_ends_a_turn(real_model_dir):
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-    from common.data import format_prompt
+    from tasks.data import format_prompt
     from common.hf_sampler import HFSampler
     tok = AutoTokenizer.from_pretrained(real_model_dir)
     cfg, gen = AutoConfig.from_pretrained(real_model_dir), GenerationConfig.from_pretrained(real_model_dir)

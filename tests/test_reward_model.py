@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from common.metrics import StepStats
-from common.rewards import Reward, RewardModelFlags, exact_match_reward
+from tasks.rewards import Reward, RewardModelFlags, exact_match_reward
 from reward_model import (Learned, LearnedReward, RewardModel, RunningMeanStd, check_reward_model, rm_input_ids,
                           sequence_scores)
 from tasks.reward_model import (accumulate_gradients, bradley_terry_loss, encode_pairs, read_pairs, split_by_prompt,
@@ -377,7 +377,7 @@ def nan_rm(small_rm, tmp_path):
 
 def test_a_nan_score_is_a_reward_failure(nan_rm, process_group):
     from common.precision import TrainingFault
-    from common.rewards import check_step_rewards
+    from tasks.rewards import check_step_rewards
     reward = step_reward("exact", 0.0, flags(nan_rm))
     rewards, correct, failures, m = score(reward, ["1+1=", "4+5=", "1+2="], ["2", "9", "3"], ["2", "9", "3"],
                                           [True, True, True])

@@ -10,9 +10,9 @@ from fractions import Fraction
 
 import pytest
 
-from common import rewards
-from common import reward_pool
-from common.rewards import (REWARD_FNS, exact_match_reward, extract_boxed, extract_number, math_reward, number_reward,
+from tasks import rewards
+from tasks import reward_pool
+from tasks.rewards import (REWARD_FNS, exact_match_reward, extract_boxed, extract_number, math_reward, number_reward,
                             score_responses, score_rollout)
 
 TIMEOUT_S = 2.0  # a short per-check timeout keeps the pathological tests fast
@@ -379,7 +379,7 @@ def test_check_reward_rejects_bad_specs(plugin, spec, message):
     with pytest.raises(ValueError, match=re.escape(message)) as e:
         rewards.check_reward(spec.format(plugin=plugin))
     assert "\n" not in str(e.value)
-    for kind in ["math", "exact", "number", f"{plugin}:contains", "common.rewards:number_reward"]:
+    for kind in ["math", "exact", "number", f"{plugin}:contains", "tasks.rewards:number_reward"]:
         rewards.check_reward(kind)
 
 
@@ -435,7 +435,7 @@ def test_grpo_trains_on_a_plugin_reward(tmp_path):
 
 
 def test_the_worker_pool_is_apart_from_the_reward_semantics():
-    """common/reward_pool.py runs as a worker script with nothing of the repository on its path: it never imports
-    common/rewards.py (which imports it)."""
-    code = "import sys; import common.reward_pool; assert 'common.rewards' not in sys.modules"
+    """tasks/reward_pool.py runs as a worker script with nothing of the repository on its path: it never imports
+    tasks/rewards.py (which imports it)."""
+    code = "import sys; import tasks.reward_pool; assert 'tasks.rewards' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)) or ".")

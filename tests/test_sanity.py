@@ -47,7 +47,7 @@ def test_builder_band_histogram_and_resume(tmp_path, process_group, monkeypatch)
     problem, and ends with the same results as an uninterrupted build; the outputs are consistent."""
     import common.sampler
     from tasks.builtin import ensure_builtin_task
-    from common.data import load_problems
+    from tasks.data import load_problems
     from sanity.build_perfectible import in_band, main, parse_args
     pool = write_jsonl(tmp_path / "pool.jsonl", read_jsonl(ensure_builtin_task()["train"])[:40])
     sampled = []  # prompts sampled, per build

@@ -9,6 +9,7 @@ connects two tested pieces is wrong (docs/tests.md lists which bug each one catc
   which with one mini-batch is pi_old's;
 - a minimum keeps its sign through StepStats' reduction; the mismatch metrics on hand-computed log-ratios; the
   collapse monitor's state survives a resume; the offline analysis' relative error."""
+import ast
 import dataclasses
 import importlib
 import json
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from common.metrics import StepStats, mismatch
-from common.scripts import algorithm_scripts
+from sanity.scripts import algorithm_scripts
 from conftest import SCRIPTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +48,7 @@ def fields(script: str) -> set:
 
 
 def test_the_scripts_list_is_read_from_the_tree(tmp_path):
-    """conftest.SCRIPTS (common/scripts.py): the top-level files that define main() and parse_args(), not the other
+    """conftest.SCRIPTS (sanity/scripts.py): the top-level files that define main() and parse_args(), not the other
     modules."""
     assert "grpo.py" in SCRIPTS and "corrections.py" not in SCRIPTS and len(SCRIPTS) >= 5
     (tmp_path / "new_algo.py").write_text("def parse_args(argv=None):\n    pass\n\n\ndef main(args):\n    pass\n")
@@ -112,6 +113,61 @@ def test_a_default_run_imports_no_optional_feature(one_minibatch, script):
     """exact.py and reward_model.py are imported by the scripts only when --exact / --reward-model asks: a run
     without those flags (setup, a step, the end) leaves both out of sys.modules (common/ imports neither)."""
     assert one_minibatch.calls(script, "recompute")["imported"] == []
+
+
+def common_imports(root: str) -> dict[str, set[str]]:
+    """{module of common/: the project modules it imports (anywhere in its file, at the top or inside a function;
+    importlib.import_module with a constant name too)}; a project module is one under the checkout's root."""
+    def project(name: str) -> str | None:
+        top = name.split(".")[0]
+        return name if os.path.exists(os.path.join(root, top + ".py")) or os.path.isdir(os.path.join(root, top)) \
+            else None
+    graph = {}
+    for file in sorted(os.listdir(os.path.join(root, "common"))):
+        if not file.endswith(".py"):
+            continue
+        with open(os.path.join(root, "common", file), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)  # and `from common import x`: the module common.x when x is one
+                names.update(f"{node.module}.{a.name}" for a in node.names
+                             if os.path.isfile(os.path.join(root, *node.module.split("."), a.name + ".py")))
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) \
+                    == "import_module" and node.args and isinstance(node.args[0], ast.Constant):
+                names.add(node.args[0].value)
+        graph[f"common.{file[:-3]}"] = {n for n in map(project, names) if n and n != "common"} - {"common.__init__"}
+    return graph
+
+
+def test_common_imports_nothing_above_it_and_has_no_cycle(tmp_path):
+    """common/ is infrastructure: it imports no script, feature module (exact.py, reward_model.py, corrections.py) or
+    task (tasks/), and no two of its modules import each other, directly or round a longer loop."""
+    graph = common_imports(ROOT)
+    assert "common.fsdp" in graph and graph["common.rundir"] >= {"common.checkpoint", "common.config"}  # (it reads)
+    up = {m: sorted(n for n in names if not n.startswith("common.")) for m, names in graph.items()}
+    assert not any(up.values()), {m: names for m, names in up.items() if names}
+
+    def cycle_from(node, path):
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                return path[path.index(nxt):] + [nxt]
+            if found := cycle_from(nxt, path + [nxt]):
+                return found
+        return None
+    assert not any(cycle_from(m, [m]) for m in graph), [cycle_from(m, [m]) for m in graph if cycle_from(m, [m])][0]
+    # the check sees what it checks: a copy of common/ with one arrow up and one loop is caught on both counts
+    fake = tmp_path / "checkout"
+    (fake / "common").mkdir(parents=True)
+    (fake / "tasks").mkdir()
+    (fake / "grpo.py").write_text("")
+    (fake / "common" / "a.py").write_text("def f():\n    from common import b\n    import grpo\n")
+    (fake / "common" / "b.py").write_text("import importlib\nimportlib.import_module('common.a')\nimport torch\n")
+    fake_graph = common_imports(str(fake))
+    assert fake_graph == {"common.a": {"common.b", "grpo"}, "common.b": {"common.a"}}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

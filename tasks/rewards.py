@@ -20,7 +20,7 @@ import tyro
 from common import exits
 from common.dist import reduce_stats
 from common.precision import TrainingFault
-from common import reward_pool
+from tasks import reward_pool
 
 exits.at_hard_exit(reward_pool.kill_now)  # a second Ctrl-C ends the process at once: its reward workers with it
 
@@ -197,6 +197,12 @@ def check_reward(kind: str) -> None:
     except reward_pool.RewardFunctionError as e:  # whatever the module raises on import, the user gets one line
         raise ValueError(f"--reward {kind!r}: {' '.join(str(e).split())}") from None
     _checked_plugins.add(kind)
+
+
+def check_args(args) -> None:
+    """A script's --reward and --rm-* flags, before any model loads (the scripts' validate)."""
+    check_reward(args.reward)  # imports a plug-in's module (in a worker), so that a typo fails before any model loads
+    check_reward_flags(args.learned_reward)  # no --rm-* flag without --reward-model (reward_model.py checks the rest)
 
 
 def check_step_rewards(step: int, failures: int, checked: int, device) -> None:

@@ -3,7 +3,7 @@
 Each check goes to a persistent worker (this very file run as a script, JSON lines over pipes); a SIGALRM timer in
 the worker stops slow Python code, and a worker that still has not answered shortly after is killed and replaced.
 Why processes, and why not multiprocessing or concurrent.futures: docs/faults.md, "Rewards that fail". This file never
-imports common/rewards.py (a worker runs it with nothing of the repository on its import path).
+imports tasks/rewards.py (a worker runs it with nothing of the repository on its import path).
 """
 import atexit
 import importlib
@@ -20,7 +20,7 @@ import sys
 import threading
 from contextlib import suppress
 
-NUM_WORKERS = min(8, os.cpu_count() or 1)  # processes (and threads of common/rewards.py's score_rollout)
+NUM_WORKERS = min(8, os.cpu_count() or 1)  # processes (and threads of tasks/rewards.py's score_rollout)
 _KILL_GRACE_S = 1.0  # extra wait past the in-worker timer before we kill the worker
 _START_TIMEOUT_S = 120.0  # a fresh worker must import sympy/math-verify within this
 IMPORT_TIMEOUT_S = 60.0  # a plug-in's module must import within this, in a worker (the worker's timer, then a kill)
@@ -48,7 +48,7 @@ def check_plugin(spec: str) -> None:
 
 def _import_timeout(spec: str) -> RewardFunctionError:
     return RewardFunctionError("TimeoutError", f"importing {spec.split(':')[0]} did not finish within "
-                               f"{IMPORT_TIMEOUT_S:g} s (IMPORT_TIMEOUT_S in common/reward_pool.py): does the "
+                               f"{IMPORT_TIMEOUT_S:g} s (IMPORT_TIMEOUT_S in tasks/reward_pool.py): does the "
                                "module wait on something when imported?")
 
 
