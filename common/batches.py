@@ -1,5 +1,4 @@
-"""A step's batch, the same in every script: which problems it trains on (batch_problems), what the sampler returns
-(Rollout, the samplers' shared output: docs/samplers.md), and how its sequences are cut into mini- and micro-batches."""
+"""A step's batch: its problems (batch_problems), the samplers' output (Rollout), its mini- and micro-batches."""
 from dataclasses import dataclass, field
 
 import numpy as np

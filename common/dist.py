@@ -27,8 +27,7 @@ def setup_distributed(cpu_offload: bool = False) -> tuple[int, int, torch.device
     if cuda:
         torch.cuda.set_device(device)  # (object collectives over nccl use the current device)
     if not dist.is_initialized():
-        # device_id binds the nccl side to this GPU; vLLM's external_launcher only reads this group's ranks and
-        # makes its own nccl and gloo groups
+        # device_id binds nccl to this GPU; vLLM's external_launcher takes only this group's ranks, makes its own groups
         kwargs = {"device_id": device} if cuda else {}
         if not torchrun:  # plain `python script.py`: a group of one on a free local port
             with socket.socket() as s:

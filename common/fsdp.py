@@ -1,9 +1,5 @@
-"""FSDP2 wrapping of a Hugging Face causal LM, and gathering its full weights (for the sampler and checkpoints).
-
-fp32 master weights and optimizer states; compute in the train precision (MixedPrecisionPolicy.param_dtype);
-gradients reduced in fp32. `fully_shard` per decoder layer, then the root, on any number of ranks including 1.
-With cpu_offload (CPUOffloadPolicy) the sharded weights, their gradients and so the AdamW states live in CPU memory.
-"""
+"""FSDP2 wrapping of a Hugging Face causal LM (fp32 masters, gradients and AdamW states, in CPU memory with cpu_offload;
+compute in the train precision), and gathering its full weights for the sampler and checkpoints (docs/scale.md)."""
 import json
 import os
 from contextlib import contextmanager
@@ -42,13 +38,10 @@ def without_dropout(config) -> dict:
 def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool,
                  attn_implementation: str = "sdpa", cpu_offload: bool = False, compile: bool = False,
                  master_dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Build a Hugging Face causal LM with fp32 master weights (`master_dtype`: a frozen model keeps its shards in its
-    compute precision, load_reference) and dropout off (without_dropout), wrap it (`wrap(lm)`
-    -> the root module, e.g. PolicyModel), and shard it with FSDP2: each decoder layer, then the root (embedding,
-    final norm, lm_head, what the wrapper adds). No rank holds the full model: each reads its own rows from the
-    safetensors files (docs/scale.md, Loading); what the files do not hold (buffers, a value head) is built on every
-    rank. cpu_offload: shards, gradients and AdamW states in CPU memory (buffers on `device`). compile:
-    compile_layers, on a GPU only (on a CPU: minutes of compilation for little)."""
+    """A Hugging Face causal LM with dropout off and fp32 master weights (`master_dtype`: a frozen model keeps its
+    compute precision), wrapped (`wrap(lm)` -> the root, e.g. PolicyModel) and sharded per decoder layer, then the root.
+    Each rank reads only its rows of the safetensors files (docs/scale.md, Loading); what they lack (buffers, a value
+    head) is built on every rank. compile: compile_layers, on a GPU only (on a CPU: minutes of compiling for little)."""
     config = AutoConfig.from_pretrained(path)
     without_dropout(config)
     with _parameters_on_meta():
@@ -65,21 +58,17 @@ def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device
     prefix = next(n for n, m in model.named_children() if m is lm) + "."
     built = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta}
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    # pinned host memory makes the copies to and from the GPU faster and lets them overlap compute; without an
-    # accelerator there is nothing to pin for (pin_memory() raises), and the offload changes nothing there
+    # pinned: faster copies to and from the GPU, overlapping compute; on a CPU pin_memory() raises (and offload is moot)
     offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if cpu_offload else OffloadPolicy()
     for layer in decoder_layers(lm):
         fully_shard(layer, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mp_policy=mp, offload_policy=offload)
-    # this rank's shards, uninitialised; buffers too. With offload the shards must be on the CPU (FSDP2 checks at the
-    # first forward and does not move them), the buffers on `device` (where fully_shard put them: to_empty took them
-    # to the CPU with the shards, and nothing moves them back)
+    # uninitialised shards and buffers, with offload on the CPU (FSDP2 checks the shards are there and won't move them)
     model.to_empty(device=torch.device("cpu") if cpu_offload else device)
     with torch.no_grad():
         for name, t in model.named_buffers():
-            t.data = built[name].to(device)
-        from_files = {n[len(prefix):]: p for n, p in model.named_parameters() if n not in built}
-        read_shards(path, from_files)
+            t.data = built[name].to(device)  # (to_empty took them to the CPU too, with offload)
+        read_shards(path, {n[len(prefix):]: p for n, p in model.named_parameters() if n not in built})
         for name, p in model.named_parameters():
             if name in built:
                 local, offset = _local_rows(p)
@@ -90,9 +79,8 @@ def load_sharded(path: str, wrap, param_dtype: torch.dtype, device: torch.device
 
 
 def checkpoint_layers(lm: nn.Module, **checkpoint_kwargs) -> None:
-    """Hugging Face's gradient checkpointing of each decoder layer: torch.utils.checkpoint.checkpoint, non-reentrant,
-    with `checkpoint_kwargs` besides (exact mode adds its context_fn). Callable again on a model FSDP2 has sharded:
-    it sets each layer's checkpoint function and hooks the embedding (Hugging Face's enable_input_require_grads)."""
+    """Hugging Face's gradient checkpointing of each decoder layer, non-reentrant, with `checkpoint_kwargs` (exact mode:
+    context_fn). Callable again on a sharded model: sets each layer's checkpoint function and hooks the embedding."""
     kwargs = {"use_reentrant": False, **checkpoint_kwargs}
     if hasattr(lm, "activation_checkpointing_enable"):  # the name since transformers 5.2x
         lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -101,11 +89,9 @@ def checkpoint_layers(lm: nn.Module, **checkpoint_kwargs) -> None:
 
 
 def compile_layers(lm: nn.Module) -> None:
-    """torch.compile the forward of each decoder layer, in place, fusing its many small kernels (docs/results.md,
-    Benchmarks). Only the forward: FSDP2's hooks, gradient checkpointing and the parameter names stay as they are.
-    Layers share one compiled graph per case (shapes, grad mode, train/eval, padding mask or not); the recompile limit
-    is raised to cover them, since past it dynamo runs new cases eagerly, and a checkpointed layer recomputed eagerly
-    after a compiled forward fails checkpointing's metadata check."""
+    """torch.compile each decoder layer's forward in place (docs/results.md, Benchmarks); FSDP2's hooks, checkpointing
+    and names stay. The recompile limit covers the layers' shared graph per case (shapes, grad mode, train/eval, padding
+    mask): past it dynamo runs eagerly, and an eager recompute of a compiled forward fails checkpointing's check."""
     import torch._dynamo
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for layer in decoder_layers(lm):
@@ -114,9 +100,8 @@ def compile_layers(lm: nn.Module) -> None:
 
 @contextmanager
 def _parameters_on_meta():
-    """Modules built inside get their parameters on the meta device (no memory; their init does nothing) and their
-    buffers for real (rotary frequencies are computed from the config and are in no checkpoint). Not accelerate's
-    init_empty_weights: it re-wraps a parameter already on meta, which unties a tied lm_head."""
+    """Parameters built inside go on the meta device (no memory, no init), buffers stay real (rotary frequencies are in
+    no checkpoint). Not accelerate's init_empty_weights: it re-wraps a parameter already on meta, untying lm_head."""
     register = nn.Module.register_parameter
 
     def on_meta(module, name, param):
@@ -142,8 +127,7 @@ def _local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 @torch.no_grad()
 def read_shards(path: str, params: dict[str, torch.Tensor]) -> None:
-    """Fill each (sharded) parameter, by Hugging Face name, with its rows read from the model directory's safetensors
-    files: only those rows are read (safetensors slices), in the file's dtype, then cast into the fp32 shard."""
+    """Fill each (sharded) parameter, by Hugging Face name, with only its rows, sliced from the safetensors files."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -182,17 +166,15 @@ def load_policy(path: str, param_dtype: torch.dtype, device: torch.device, gradi
 
 def load_reference(path: str, param_dtype: torch.dtype, device: torch.device, cpu_offload: bool = False,
                    compile: bool = False) -> PolicyModel:
-    """A frozen policy (the reference of a KL term): load_policy's model, sharded as the policy, its shards kept in
-    the compute precision `param_dtype` (half the bytes of fp32 masters in fp16/bf16), eval mode, no gradients, for
-    no optimizer; no activation checkpointing (it never runs a backward)."""
+    """A frozen policy (a KL term's reference): load_policy's model, sharded alike, eval mode, no gradients; its shards
+    in `param_dtype` (no optimizer: half the bytes of fp32 masters in 16 bits), no checkpointing (no backward)."""
     ref = load_sharded(path, lambda lm: PolicyModel(lm), param_dtype, device, False, cpu_offload=cpu_offload,
                        compile=compile, master_dtype=param_dtype)
-    ref.requires_grad_(False)
-    return ref.eval()
+    return ref.requires_grad_(False).eval()
 
 
 def tied_aliases(lm: nn.Module) -> dict[str, list[str]]:
-    """{name of a parameter: the other names it is held under} (a tied lm_head: {embed_tokens.weight: [lm_head.weight]})."""
+    """{name of a parameter: its other names} (a tied lm_head: {embed_tokens.weight: [lm_head.weight]})."""
     names = {}
     for name, p in lm.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -207,9 +189,8 @@ def full_state_names(lm: nn.Module) -> list[tuple[str, tuple, torch.dtype]]:
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of an FSDP2 shard (a DTensor: a collective, every rank calls it), or `t` itself. An offloaded
-    shard (cpu_offload) is on the CPU while its mesh is the GPU's: it is moved to the GPU first, so that the
-    all-gather runs there (NCCL, not gloo) and gives a GPU tensor, as torch.distributed's own state-dict gather does."""
+    """The whole tensor of an FSDP2 shard (a DTensor: a collective), or `t` itself. An offloaded shard (on the CPU, its
+    mesh the GPU's) goes to the GPU first, so that NCCL, not gloo, gathers it, as torch's state-dict gather does."""
     if not hasattr(t, "full_tensor"):
         return t
     if t.device.type != t.device_mesh.device_type:
@@ -220,12 +201,9 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def iter_full_state(lm: nn.Module, dtype: torch.dtype | None = None, device: torch.device | None = None,
                     aliases: bool = True):
-    """Yield (Hugging Face name, full tensor) one parameter at a time: each sharded tensor is all-gathered on its own,
-    so at most one full tensor beyond the shards is alive. Each shard is cast to `dtype` before the gather (a 16-bit
-    rollout precision moves half the bytes of the fp32 masters), and a tensor held under two names (a tied embedding
-    and lm_head) is gathered once, then yielded under each of its names in turn (vLLM wants both), or, with
-    aliases=False, under its first name only (as a checkpoint stores it). A collective: every rank must iterate to
-    the end."""
+    """Yield (Hugging Face name, full tensor), one gathered at a time, each shard first cast to `dtype` (16-bit rollouts
+    move half the bytes). A tied tensor is gathered once and yielded under each name (vLLM wants both), or with
+    aliases=False its first (as a checkpoint stores it). A collective: every rank must iterate to the end."""
     tied = tied_aliases(lm)
     skip = {a for names in tied.values() for a in names}
     for name, t in lm.state_dict().items():
@@ -233,9 +211,6 @@ def iter_full_state(lm: nn.Module, dtype: torch.dtype | None = None, device: tor
             continue
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)  # a DTensor casts its local shard
-        t = full_tensor(t)
-        t = t.to(device) if device is not None else t
-        yield name, t
-        if aliases:
-            for alias in tied.get(name, []):
-                yield alias, t
+        t = full_tensor(t) if device is None else full_tensor(t).to(device)
+        for n in ([name, *tied.get(name, [])] if aliases else [name]):
+            yield n, t

@@ -1,5 +1,4 @@
-"""The fallback sampler (`--sampler hf`) for machines without vLLM: a plain copy of the policy decoded with a
-DynamicCache; its log-probs are those sampled from (after temperature and top-p), as vLLM's `processed_logprobs`."""
+"""The fallback sampler (`--sampler hf`, docs/samplers.md): a plain copy of the policy decoded with a DynamicCache."""
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -8,15 +7,14 @@ from common.batches import Rollout
 
 class HFSampler:
     def __init__(self, model_path: str, dtype: torch.dtype, device: torch.device, seed: int, batch_size: int = 256):
-        device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-        self.device, self.batch_size = device, batch_size
+        self.device, self.batch_size = torch.device(device), batch_size
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
         cfg = self.model.generation_config
         eos = cfg.eos_token_id if cfg.eos_token_id is not None else self.model.config.eos_token_id
-        self.eos_ids = torch.tensor(eos if isinstance(eos, list) else [eos], device=device)
+        self.eos_ids = torch.tensor(eos if isinstance(eos, list) else [eos], device=self.device)
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else self.model.config.pad_token_id
         self.pad_id = pad if pad is not None else int(self.eos_ids[0])
-        self.generator = torch.Generator(device=device).manual_seed(seed)  # this rank's own sampling stream
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)  # this rank's own sampling stream
         # every name the trainer will send, tied weights under both names
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
 
@@ -90,8 +88,8 @@ class HFSampler:
 
 
 def process_logits(logits_BV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """fp32 log-probs of the distribution sampled from: logits / temperature, the top-p nucleus renormalised.
-    Temperature 0 is greedy (the log-probs then those of temperature 1)."""
+    """fp32 log-probs of the distribution sampled from, as vLLM's processed_logprobs: logits / temperature, the top-p
+    nucleus renormalised. Temperature 0 is greedy (the log-probs then those of temperature 1)."""
     logp = torch.log_softmax(logits_BV / temperature if temperature > 0 else logits_BV, dim=-1)
     if top_p < 1.0:
         sorted_lp, idx = logp.sort(dim=-1, descending=True)

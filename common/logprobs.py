@@ -18,18 +18,14 @@ def _chunk_logprobs(hidden_NH, weight_VH, targets_N, temperature: float, with_en
 
 
 def chunked_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, temperature: float,
-                     chunk_size: int, with_entropy: bool = False, chunk_fn=_chunk_logprobs,
-                     context_fn=noop_context_fn):
-    """log softmax(hidden @ weight.T / temperature)[target] in fp32, computed `chunk_size` tokens at a time by
-    `chunk_fn`, each chunk checkpointed with `context_fn` (exact mode passes its own of both, exact.py). Returns
-    (logp_N, entropy_N or None)."""
+                     chunk_size: int, with_entropy: bool = False, chunk_fn=_chunk_logprobs, context_fn=noop_context_fn):
+    """log softmax(hidden @ weight.T / temperature)[target] in fp32, `chunk_size` tokens at a time by `chunk_fn`, each
+    chunk checkpointed with `context_fn` (exact.py passes its own of both). Returns (logp_N, entropy_N or None)."""
+    grad = torch.is_grad_enabled() and hidden_NH.requires_grad
     logps, ents = [], []
     for i in range(0, hidden_NH.shape[0], chunk_size):
         args = (hidden_NH[i:i + chunk_size], weight_VH, targets_N[i:i + chunk_size], temperature, with_entropy)
-        if torch.is_grad_enabled() and hidden_NH.requires_grad:
-            lp, ent = checkpoint(chunk_fn, *args, use_reentrant=False, context_fn=context_fn)
-        else:
-            lp, ent = chunk_fn(*args)
+        lp, ent = checkpoint(chunk_fn, *args, use_reentrant=False, context_fn=context_fn) if grad else chunk_fn(*args)
         logps.append(lp)
         ents.append(ent)
     if not logps:
@@ -39,9 +35,8 @@ def chunked_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N
 
 
 class PolicyModel(nn.Module):
-    """A Hugging Face causal LM whose forward returns the log-probs of the response tokens; the FSDP2 root
-    (load_sharded). `self.lm` keeps the Hugging Face names for checkpoints and the weight sync. `self.exact`: None,
-    or the exact forward (exact.enable_exact) that replaces the hidden states and the head."""
+    """A Hugging Face causal LM whose forward returns the response tokens' log-probs; the FSDP2 root (load_sharded).
+    `self.lm` keeps the Hugging Face names (checkpoints, weight sync); `self.exact`: None, or exact mode's forward."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
@@ -50,8 +45,8 @@ class PolicyModel(nn.Module):
 
     def forward(self, input_ids_BL, attention_mask_BL, response_mask_BT, temperature: float, chunk_size: int,
                 with_entropy: bool = False):
-        """input_ids_BL: prompt + response, right-padded. response_mask_BT: 1 on the response tokens, left-aligned
-        (row b holds response b's tokens at 0..len_b-1). Returns (logp_BT, entropy_BT or None), fp32, 0 off-mask."""
+        """input_ids_BL: prompt + response, right-padded; response_mask_BT: 1 on the response tokens, left-aligned.
+        Returns (logp_BT, entropy_BT or None), fp32, 0 off-mask."""
         if self.exact is None:
             hidden_NH, targets_N = response_hidden(self.lm, input_ids_BL, attention_mask_BL, response_mask_BT)
             chunk_fn, context_fn = _chunk_logprobs, noop_context_fn
@@ -63,18 +58,15 @@ class PolicyModel(nn.Module):
                                          with_entropy, chunk_fn, context_fn)
         logp_BT = torch.zeros(response_mask_BT.shape, dtype=torch.float32, device=logp_N.device)
         logp_BT = logp_BT.masked_scatter(response_mask_BT, logp_N)  # row-major order matches on both sides
-        ent_BT = None
-        if with_entropy:
-            ent_BT = torch.zeros_like(logp_BT).masked_scatter(response_mask_BT, ent_N)
+        ent_BT = torch.zeros_like(logp_BT).masked_scatter(response_mask_BT, ent_N) if with_entropy else None
         return logp_BT, ent_BT
 
 
 def recompute_logprobs(model: PolicyModel, rollout, groups: list[list[int]], pad_id: int, temperature: float,
                        chunk_size: int, device, stats=None) -> list[torch.Tensor]:
-    """Step 3 of every script: the trainer's log-probs of each response of the rollout (common.batches.Rollout)
-    without gradients, micro-batch by micro-batch (`groups`: lists of sequence indices, common.batches.micro_batches),
-    and train/entropy, the mean entropy over the response tokens, into stats (None: no entropy, as for the frozen
-    reference's log-probs). Returns one fp32 CPU tensor per sequence, of its response's length."""
+    """Step 3 of every script: the trainer's log-probs of each response of `rollout` (a Rollout), without gradients,
+    by the micro-batches `groups` (common.batches.micro_batches), and train/entropy, the mean over response tokens,
+    into stats (None: no entropy, as for the frozen reference). Returns one fp32 CPU tensor per response."""
     logp = [None] * len(rollout.response_ids)
     with torch.no_grad():
         for mb in groups:
@@ -91,8 +83,7 @@ def recompute_logprobs(model: PolicyModel, rollout, groups: list[list[int]], pad
 def response_hidden(lm: nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
                     response_mask_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden_NH, targets_N): the final hidden states that predict the response tokens of the right-padded
-    prompt+response rows, and those tokens, in row-major order. Position j predicts token j+1: the response's tokens
-    are predicted from the positions just before them."""
+    prompt+response rows (position j predicts token j+1), and those tokens, in row-major order."""
     seq_len_B, resp_len_B = attention_mask_BL.sum(-1), response_mask_BT.sum(-1)
     pos_L = torch.arange(attention_mask_BL.shape[1], device=attention_mask_BL.device)
     is_resp_BL = (pos_L[None] >= (seq_len_B - resp_len_B)[:, None]) & (pos_L[None] < seq_len_B[:, None])
@@ -115,9 +106,8 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int, d
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A CPU tensor onto `device` without waiting for the GPU. A copy from ordinary (pageable) host memory first waits
-    until the GPU has run every kernel queued before it (CUDA's documented behaviour for pageable host-to-device
-    copies); one from pinned memory is queued like a kernel, so the host goes on queueing the micro-batch's work."""
+    """A CPU tensor onto `device` without waiting for the GPU: a copy from pageable host memory first waits for every
+    kernel queued before it (as CUDA documents); one from pinned memory is queued like a kernel: the host goes on."""
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
@@ -132,19 +122,15 @@ def pad_float(rows: list[torch.Tensor], T: int, device) -> torch.Tensor:
 
 
 def split_microbatches(lengths: list[int], token_budget: int, min_count: int = 1) -> list[list[int]]:
-    """Indices of sequences grouped into micro-batches whose padded size (rows x longest row) stays within
-    `token_budget` (a single longer row gets a micro-batch of its own). Sorted by length so padding is small.
-    `min_count` forces at least that many micro-batches: every rank must run the same number of forward/backward
-    passes under FSDP (each one is a collective), so the caller passes the maximum over ranks."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[cur[0]] > token_budget:
-            groups.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        groups.append(cur)
+    """Sequence indices, longest first (little padding), in micro-batches whose padded size (rows x longest row) stays
+    within `token_budget` (a longer row alone). At least `min_count` of them: under FSDP every rank must run as many
+    forwards and backwards (each a collective), so the caller passes the maximum over ranks."""
+    groups = []
+    for i in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= token_budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
     while len(groups) < min_count:  # split the largest group in two (needs min_count <= len(lengths))
         j = max(range(len(groups)), key=lambda k: len(groups[k]))
         if len(groups[j]) < 2:

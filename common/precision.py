@@ -9,6 +9,7 @@ from common.dist import reduce_stats
 class TrainingFault(RuntimeError):
     """A numerical fault the run cannot train through; the scripts save the last good state and stop."""
 
+
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # the flags' names
 
 
@@ -27,16 +28,14 @@ def precision_name(dtype: torch.dtype) -> str:
 
 class LossScaler:
     """Dynamic loss scaling for FP16 (scale 1 for bf16/fp32). Not torch.amp.GradScaler, which skips from one rank's
-    shards: the global gradient norm decides, so every rank skips the same steps (docs/algorithms.md). `fault`: why the
-    run should stop (a non-finite gradient without loss scaling, or max_consecutive_skips skips in a row; 0: never)."""
+    shards: the global gradient norm decides, so every rank skips the same steps (docs/algorithms.md)."""
 
     def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, min_scale: float = 1.0,
                  max_consecutive_skips: int = 20):
         self.enabled, self.scale = enabled, init_scale if enabled else 1.0
-        self.growth_interval, self.growth_factor = growth_interval, growth_factor
-        self.backoff_factor, self.min_scale = backoff_factor, min_scale
-        self.max_consecutive_skips = max_consecutive_skips
+        self.growth_interval, self.growth_factor, self.backoff_factor = growth_interval, growth_factor, backoff_factor
+        self.min_scale, self.max_consecutive_skips = min_scale, max_consecutive_skips  # 0: skips never stop the run
         # finite steps since the last change of scale; skipped steps in the whole run (for the log), and in a row
         self.good_steps = self.skipped_steps = self.consecutive_skips = 0
         self.fault: str | None = None  # why the run should stop (set by step), else None

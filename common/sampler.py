@@ -1,5 +1,4 @@
-"""The sampler interface (docs/samplers.md) of common/vllm_sampler.py and hf_sampler.py (the fallback): generate(
-prompts, n, max_new_tokens, temperature, top_p) -> Rollout, load_weights(named_tensors), sleep, wake_up, shutdown."""
+"""The sampler interface (docs/samplers.md): the vLLM sampler (vllm_sampler.py), or the fallback (hf_sampler.py)."""
 import importlib.util
 
 import torch

@@ -1,6 +1,5 @@
-"""The vLLM sampler (docs/samplers.md): an in-process engine per rank beside the trainer (external_launcher over its
-process group), seeded per TP group, never per request; processed_logprobs (mu after temperature); weights reloaded in
-place; sleep mode while the trainer trains. vLLM internals: `_model_runner` here, exact.py's for exact mode."""
+"""The vLLM sampler (docs/samplers.md): an in-process engine per rank beside the trainer, seeded per TP group (never
+per request), weights reloaded in place, asleep while training. vLLM internals: `_model_runner` here, and exact.py's."""
 import gc
 import importlib.util
 import os
@@ -26,10 +25,9 @@ def _import_llm():
 
 
 def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
-    """Each sampled token's log-prob from a response's FlatLogprobs (flat lists; with logprobs=0 one entry per
-    position, the sampled token's) or list of {token id: Logprob} per position."""
+    """Each sampled token's log-prob from a response's FlatLogprobs (flat lists) or list of {token id: Logprob}."""
     if hasattr(logprobs, "start_indices"):
-        if logprobs.token_ids == ids:  # one entry per position: the lists are the answer
+        if logprobs.token_ids == ids:  # with logprobs=0 just the sampled token's entry per position: the answer
             return logprobs.logprobs
         return [logprobs.logprobs[logprobs.token_ids.index(t, a, b)]
                 for t, a, b in zip(ids, logprobs.start_indices, logprobs.end_indices)]
@@ -72,16 +70,14 @@ class VLLMSampler:
         self.tp, self.sleep_level = tp, sleep_level if torch.cuda.is_available() else 0
         # weights_awake: their GPU memory is allocated; weights_loaded: the engine has them (a level 2 sleep drops them)
         self.asleep, self.weights_awake, self.weights_loaded = False, True, True
-        # a fixed KV cache skips vLLM's measurement of free memory, which fails when another process on the GPU
-        # allocates or frees meanwhile, as parallel sanity runs do ("No available memory for the cache blocks", "Error
-        # in memory profiling")
+        # a fixed KV cache skips vLLM's free-memory measurement, which fails while another process on the GPU allocates
+        # or frees, as parallel sanity runs do ("No available memory for the cache blocks", "Error in memory profiling")
         fixed_kv = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib > 0 else {}
         try:
-            self.llm = LLM(model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=tp,
+            self.llm = LLM(model=model_path, dtype=dtype, seed=seed, skip_tokenizer_init=True, tensor_parallel_size=tp,
                            distributed_executor_backend="external_launcher", max_model_len=max_model_len,
-                           gpu_memory_utilization=gpu_memory_utilization, skip_tokenizer_init=True,
-                           logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_level > 0,
-                           enable_prefix_caching=prefix_caching, **mode, **fixed_kv)
+                           gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_level > 0,
+                           logprobs_mode="processed_logprobs", enable_prefix_caching=prefix_caching, **mode, **fixed_kv)
         except (ValueError, NotImplementedError, RuntimeError) as e:
             if any(w in str(e).lower() for w in ("dtype", "float16", "float32", "bfloat16", "not supported")):
                 raise ValueError(f"vLLM refused {precision_name(dtype)} rollouts for this model: {e}. Choose another "
@@ -94,10 +90,8 @@ class VLLMSampler:
             world = dist.get_world_size()
             if world % tp:
                 raise ValueError(f"--vllm-tp {tp} does not divide the number of ranks {world}")
-            for start in range(0, world, tp):
-                group = dist.new_group(list(range(start, start + tp)))
-                if start <= dist.get_rank() < start + tp:
-                    self.tp_group = group
+            groups = [dist.new_group(list(range(start, start + tp))) for start in range(0, world, tp)]
+            self.tp_group = groups[dist.get_rank() // tp]
 
     @torch.no_grad()
     def load_weights(self, named_tensors) -> None:
