@@ -1,6 +1,5 @@
-"""Checkpoints, written by every rank and readable by any number of ranks: a Hugging Face model directory (fp32
-model.safetensors, streamed by rank 0), optimizer/ (DCP shards, resharded on load), trainer_state.json and
-rng_rank{r}.json. What each file holds, the phases of a save, resuming from an older step: docs/checkpoints.md."""
+"""Checkpoints, written by every rank and readable by any number of ranks (the optimizer's DCP shards resharded on
+load): what each file holds, the phases of a save, resuming from an older step: docs/checkpoints.md."""
 import contextlib
 import dataclasses
 import enum
@@ -60,8 +59,7 @@ def rng_to_json(state: dict) -> dict:
             for k, v in state.items()}  # (Python's state, tuples of ints, is JSON as it is)
 
 
-def rng_from_json(data: dict) -> dict:
-    """The inverse of rng_to_json."""
+def rng_from_json(data: dict) -> dict:  # (rng_to_json's inverse)
     return {k: (v[0], tuple(v[1]), v[2]) if k == "python" else (v[0], np.array(v[1], dtype=np.uint32), *v[2:])
             if k == "numpy" else torch.tensor(v, dtype=torch.uint8) for k, v in data.items()}
 
@@ -223,8 +221,7 @@ DCP_SHARD = re.compile(r"__\d+_\d+\.distcp")  # __<rank>_<n>.distcp: a rank's n-
 
 
 def find_resume_dir(resume: str, ckpt_root: str) -> str:
-    """The checkpoint of --resume ('latest': the newest in ckpt_root), checked before anything is loaded or written:
-    no foreign file, and each part's folder a --model directory with a step and safe optimizer metadata."""
+    """The checkpoint of --resume ('latest': the newest in ckpt_root), checked before anything is loaded or written."""
     found = list_checkpoints(ckpt_root) if resume == "latest" else [resume]
     if not found:
         raise FileNotFoundError(f"--resume latest: no checkpoint in {ckpt_root}")
@@ -237,17 +234,15 @@ def find_resume_dir(resume: str, ckpt_root: str) -> str:
     for part in parts:
         for name in sorted(os.listdir(part)):
             entry = os.path.join(part, name)
-            if not os.path.isdir(entry):
-                if not CHECKPOINT_FILE.fullmatch(name):
-                    raise UnsafeCheckpoint(foreign.format(entry, "file"))
-            elif name == "optimizer":
+            kind = "directory" if os.path.isdir(entry) else "file"
+            if kind == "directory" and name == "optimizer":
                 for n in sorted(os.listdir(entry)):
                     if not (n == ".metadata" or DCP_SHARD.fullmatch(n)) or os.path.isdir(os.path.join(entry, n)):
                         raise UnsafeCheckpoint(foreign.format(os.path.join(entry, n), "file"))
-            elif part == path and os.path.isfile(os.path.join(entry, "trainer_state.json")):
+            elif kind == "directory" and part == path and os.path.isfile(os.path.join(entry, "trainer_state.json")):
                 parts.append(entry)
-            else:
-                raise UnsafeCheckpoint(foreign.format(entry, "directory"))
+            elif kind == "directory" or not CHECKPOINT_FILE.fullmatch(name):
+                raise UnsafeCheckpoint(foreign.format(entry, kind))
     for part in parts:
         check_model_dir(part, "--resume")
         state = read_json(os.path.join(part, "trainer_state.json"), "--resume")
@@ -277,23 +272,21 @@ def damaged(path: str, what: str):
                          f"{' '.join(str(e).split())[:200]})") from None
 
 
-# What DCP pickles into .metadata (in each module where torch versions keep it); nothing else is let through.
-_DCP_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                         "torch.distributed._shard.sharded_tensor.metadata")
-_DCP_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                         ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-                         ("pathlib", "PurePath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
-
-
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds checkpoint metadata only: any other global (os.system, eval, ...) is refused before it is looked up."""
+    # What DCP pickles into .metadata (in each module where torch versions keep it); nothing else is let through.
+    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+               "torch.distributed._shard.sharded_tensor.metadata")
+    GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+               ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+               ("pathlib", "PurePath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
 
     def find_class(self, module, name):
-        if module in _DCP_METADATA_MODULES and "." not in name:
+        if module in self.MODULES and "." not in name:
             cls = getattr(importlib.import_module(module), name, None)
             if isinstance(cls, type) and (dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)):
                 return cls
-        elif (module, name) in _DCP_METADATA_GLOBALS:
+        elif (module, name) in self.GLOBALS:
             return getattr(importlib.import_module(module), name)
         elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)

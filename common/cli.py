@@ -1,5 +1,4 @@
-"""What every script shares on its command line: the infrastructure flags (Infra, a nested group of each script's Args,
-flat on the command line), their range checks, the built-in task's preset, and the exit codes (docs/faults.md)."""
+"""What every script shares on its command line: the Infra flags, their range checks, the built-in preset, exits."""
 import dataclasses
 import math
 import os
@@ -108,18 +107,12 @@ def parse(args_class, preset: dict, argv: list[str] | None = None):
 
 def with_values(obj, values: dict):
     """A copy of the dataclass `obj` with `values` (flat field names) set, in nested groups too."""
-    changes = {}
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            changes[f.name] = with_values(value, values)
-        elif f.name in values:
-            changes[f.name] = values[f.name]
-    return dataclasses.replace(obj, **changes)
+    current = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    return dataclasses.replace(obj, **{name: with_values(v, values) if dataclasses.is_dataclass(v) else values[name]
+                                       for name, v in current.items() if dataclasses.is_dataclass(v) or name in values})
 
 
-# (valid(value), what is valid) of every flag that more than one script has; a script's own flags, and another range
-# for a shared one (--group-size at least 2 where the baseline is the group's mean), go to validate's `ranges`
+# (valid(value), what is valid) of the flags scripts share; a script's own, or its own range for one, go to `ranges`
 RANGES = {
     **{name: (lambda x: x >= 1, "at least 1") for name in (
         "num_steps", "num_prompts", "group_size", "num_minibatches", "micro_batch_tokens", "max_prompt_len",
@@ -127,8 +120,7 @@ RANGES = {
         "exact_check_every")},
     **{name: (lambda x: x >= 0, "at least 0") for name in (
         "seed", "max_skipped_steps", "eval_every", "eval_max_problems", "save_every", "keep_last")},
-    "temperature": (lambda x: math.isfinite(x) and x > 0, "finite and > 0"),
-    "lr": (lambda x: math.isfinite(x) and x > 0, "finite and > 0"),
+    **{name: (lambda x: math.isfinite(x) and x > 0, "finite and > 0") for name in ("temperature", "lr")},
     "adam_betas": (lambda b: all(0 <= x < 1 for x in b), "two numbers in [0, 1)"),
     "weight_decay": (lambda x: math.isfinite(x) and x >= 0, "finite and >= 0"),
     "max_grad_norm": (lambda x: x > 0, "> 0 (inf: no clipping)"),
@@ -196,8 +188,7 @@ def steps(first: int, last: int):
 
 
 def recompute_due(infra, step: int, first_step: int) -> bool:
-    """Whether step 3's recompute forward runs: always, except with --exact (old_logp is mu bit for bit), where it
-    runs on the run's (or resume's) first step and every --exact-check-every steps to count unequal tokens."""
+    """Whether step 3's recompute forward runs: always, but with --exact (old_logp is mu) per --exact-check-every."""
     return not infra.exact or step == first_step or step % infra.exact_check_every == 0
 
 

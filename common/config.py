@@ -1,5 +1,4 @@
-"""What a run uses: the line said at start (every value that differs from the script's Args defaults, and where it
-came from), the record of its settings (run_config), and what a resume may change (check_resume_config)."""
+"""A run's settings: the line said at start (config_changes), their record (run_config), what a resume may change."""
 import dataclasses
 import json
 import os
@@ -7,10 +6,8 @@ import os
 from common.checkpoint import read_json
 from common.dist import print0
 
-# The settings a resume may change without --accept-changes (docs/faults.md, "Resuming with other settings"): how
-# long and how often it evaluates and saves, evaluation and logging, where and how fast it runs, when it stops for
-# faults, and the learning rate (by hand, as a schedule). Every other setting defines what the run computes (script,
-# model, data, seed, batch shape, precision, the algorithm's flags): another value makes a different run.
+# The settings a resume may change without --accept-changes (docs/faults.md, "Resuming with other settings"); every
+# other one defines what the run computes (model, data, seed, precision, ...): another value makes a different run.
 RESUME_MAY_CHANGE = frozenset({
     "num_steps", "eval_every", "save_every", "keep_last",
     "eval_dataset", "eval_k", "eval_temperature", "eval_top_p", "eval_max_problems",

@@ -1,9 +1,7 @@
-"""How a script ends (docs/faults.md, "Exit codes"): one line and an exit code for what the user can act on, a traceback
-only for a bug. `__main__` is `exits.run(lambda: main(parse_args()), __file__)` (a tool: steps=False; `sys.exit(...)`
-if main() returns its exit status). Ctrl-C: the first raises KeyboardInterrupt (held to a save's safe point by
-SigintDeferred); a second, while the first is handled (threads joined, a save finishing, the clean-up at exit), ends
-the process at once with the same line and exit code 130, after at_hard_exit's quick clean-ups: never a traceback."""
+"""How a script ends: one line and an exit code for what the user can act on, a traceback only for a bug; a first
+Ctrl-C raises KeyboardInterrupt, a second ends the process at once (docs/faults.md, "Exit codes" and "Ctrl-C")."""
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -12,8 +10,7 @@ from types import SimpleNamespace
 
 EXIT_BAD_INPUT, EXIT_FAULT, EXIT_INTERRUPTED = 2, 3, 130  # 130 = 128 + SIGINT, as a shell reports a Ctrl-C'd process
 
-# for the line on Ctrl-C, set by the step loop and the run directory: the step in progress (0: training had not begun;
-# None: a tool) and hint, () -> str: how to go on (common/rundir.py: from which checkpoint to resume; None: not known)
+# for the Ctrl-C line: the step in progress (0: before training; None: a tool), hint () -> str: how to go on (or None)
 progress = SimpleNamespace(step=0, hint=None)
 _script, _sigints, _said = "", 0, False  # run()'s script; the Ctrl-Cs its handler has seen; the line printed
 _hard_exit_calls = []  # what a second Ctrl-C still does before the process ends: quick, lock-free, cannot block
@@ -40,33 +37,28 @@ def at_hard_exit(fn) -> None:
 
 
 def _on_sigint(signum, frame):
-    """The first Ctrl-C raises KeyboardInterrupt; a second ends the process now, with no clean-up (it is what is being
-    interrupted) and no traceback."""
+    """A first Ctrl-C raises KeyboardInterrupt; a second ends the process now, no clean-up (it is what it stops)."""
     global _sigints
     _sigints += 1
     if _sigints == 1:
         raise KeyboardInterrupt
     for fn in _hard_exit_calls:
-        try:
+        with contextlib.suppress(Exception):  # the process ends now whatever a clean-up does
             fn()
-        except Exception:  # noqa: BLE001 -- the process ends now whatever a clean-up does
-            pass
     _say_interrupted()
     os._exit(EXIT_INTERRUPTED)
 
 
 def run(main, script_file: str, steps: bool = True, bad_input: tuple = ()):
-    """Run main() as a script's __main__ and return its value. Bad input (ValueError, FileNotFoundError,
-    PermissionError, bad_input's types): one line, exit code 2; a TrainingFault: one line, exit 3; Ctrl-C: one line,
-    exit 130; anything else keeps its traceback (exit 1). DEBUG=1: every traceback. Frees the process group after."""
+    """main() as a script's __main__, its value returned; what the user can act on is one line and an exit code
+    (docs/faults.md, "Exit codes"; bad_input: more types of bad input, exit 2). Frees the process group after."""
     global _script
     _script = os.path.basename(script_file)
     if not steps:
         progress.step = None
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _on_sigint)
-        # once the interpreter's clean-up begins, a Ctrl-C changes nothing: after Python resets its handlers late in
-        # that clean-up the signal would kill the process instead of letting it exit with its code
+        # ignored once the interpreter's clean-up begins: after Python resets its handlers SIGINT would kill the process
         atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
     try:
         value, code = main(), None
@@ -79,10 +71,9 @@ def run(main, script_file: str, steps: bool = True, bad_input: tuple = ()):
             _say_interrupted()
         else:
             print(f"{_script}: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr, flush=True)
-    # here, not inside `except`: the exception's traceback holds main()'s frames, whose model holds the process group;
-    # an error exit frees it without the barrier (the other ranks need not be here)
+    # here, not inside `except`: the exception's traceback holds main()'s frames, whose model holds the process group
     if "common.dist" in sys.modules:  # (a process group is set up there only)
-        sys.modules["common.dist"].cleanup_distributed(barrier=code is None)
+        sys.modules["common.dist"].cleanup_distributed(barrier=code is None)  # (an error: the others may not be here)
     if code is not None:
         sys.exit(code)
     return value
@@ -94,9 +85,8 @@ def _faults() -> tuple:  # (TrainingFault,) once imported, else () (none was rai
 
 
 class SigintDeferred:
-    """`with SigintDeferred() as d:` a first SIGINT is recorded (d.pending; a first Ctrl-C for run's handler), not
-    raised, for code that must not stop half-way (a checkpoint's phases, collectives) and checks d.pending at a safe
-    point. A second goes to the handler before (run's: the process ends). Nothing is deferred off the main thread."""
+    """`with SigintDeferred() as d:` a first SIGINT sets d.pending (counted as run's first Ctrl-C), not raised, for code
+    that must not stop half-way, to check at a safe point; a second goes to the handler before. Main thread only."""
 
     def __enter__(self):
         self.pending, self.installed = False, threading.current_thread() is threading.main_thread()

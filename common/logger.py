@@ -1,5 +1,4 @@
-"""Logging on rank 0: a progress bar, a readable line per step, metrics.jsonl, and wandb with --track (offline without
-an account). Every rank calls it: a write that fails on rank 0 (a full disk) stops every rank with one line (exit 3)."""
+"""Logging on rank 0 (every rank calls it): a progress bar, a line per step, metrics.jsonl, and wandb with --track."""
 import errno
 import json
 import math
@@ -12,7 +11,6 @@ from tqdm import tqdm
 from common.dist import agree_on_error
 from common.precision import TrainingFault
 
-# the keys shown in the readable per-step line, with their short names
 LINE_KEYS = [("train/accuracy", "acc"), ("reward_model/score_mean", "rm"), ("train/response_len_mean", "len"),
              ("mismatch/kl_k3", "kl_k3"), ("policy/clip_frac", "clip"), ("optim/grad_norm", "gnorm"),
              ("optim/loss_scale", "scale"), ("time/step", "s")]
@@ -162,9 +160,7 @@ def eta_s(intervals: list[float], steps_left: int) -> float | None:
 def fmt_duration(seconds: float) -> str:
     """45s, 3m05s, 2h07m: two units at most, rounded down."""
     s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    return f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def fmt(x) -> str:

@@ -1,5 +1,4 @@
-"""A step's metrics (StepStats), the training-inference mismatch (the mismatch/* keys of docs/algorithms.md) and the
-early warning of collapse (MismatchMonitor)."""
+"""A step's metrics (StepStats), the mismatch/* keys (docs/algorithms.md) and the collapse warning (MismatchMonitor)."""
 import math
 import time
 from contextlib import contextmanager
@@ -9,8 +8,7 @@ import torch.distributed as dist
 
 
 class StepStats:
-    """One step's metrics on this rank, added where computed (0-d tensors may stay on their device: nothing waits for
-    the GPU before reduce): means, sums, maxima, minima, phases' seconds and memory, and values already global (set)."""
+    """A step's metrics on this rank, added where computed (0-d tensors may stay on the GPU: no sync before reduce)."""
 
     def __init__(self, device):
         self.device = device
@@ -112,8 +110,7 @@ def mismatch(stats: StepStats, old_logp_BT: torch.Tensor, mu_logp_BT: torch.Tens
 
 def reference_kl(stats: StepStats, old_logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor | None,
                  mask_BT: torch.Tensor) -> None:
-    """The kl_ref/* keys (with --kl-coef; None: nothing) into stats: KL(pi_old || ref) over the response tokens,
-    samples of pi_old: k1 the mean of old_logp - ref_logp, k3 the mean of exp(d) - 1 - d, d = ref_logp - old_logp."""
+    """The kl_ref/* keys (--kl-coef; None: nothing) into stats: k1 and k3 of KL(pi_old || ref) on pi_old's samples."""
     if ref_logp_BT is None:
         return
     m = mask_BT.float()
@@ -123,8 +120,7 @@ def reference_kl(stats: StepStats, old_logp_BT: torch.Tensor, ref_logp_BT: torch
 
 
 class MismatchMonitor:
-    """Early warning of collapse: mean kl_k3 of the last `window` steps over that of the first (floored at `floor`), a
-    warning past `factor` (docs/algorithms.md, "The collapse warning"). Its state goes into checkpoints."""
+    """Early warning of collapse (docs/algorithms.md, "The collapse warning"); its state goes into checkpoints."""
 
     def __init__(self, factor: float, window: int, floor: float = 1e-6, exact: bool = False):
         self.factor, self.window, self.floor, self.exact = factor, window, floor, exact
@@ -135,8 +131,7 @@ class MismatchMonitor:
     def update(self, step_metrics: dict) -> tuple[dict, str | None]:
         """This step's metrics, and a message when the warning switches, or with exact on any unequal log-prob."""
         out, message = self._growth(step_metrics["mismatch/kl_k3"])
-        unequal = step_metrics.get("mismatch/unequal_tokens", 0)
-        if self.exact and unequal:
+        if self.exact and (unequal := step_metrics.get("mismatch/unequal_tokens", 0)):
             message = (f"[exact] {unequal:.0f} response tokens' log-probs differ from the sampler's (max |diff| "
                        f"{step_metrics.get('mismatch/logp_abs_diff_max', float('nan')):.3g}): exact mode is not "
                        "bitwise on this setup; check the [exact] line at start and docs/exact.md (supported models, "
@@ -165,7 +160,6 @@ class MismatchMonitor:
         return {"baseline": self.baseline, "recent": self.recent, "warning": self.warning}
 
     def load_state_dict(self, state: dict) -> None:
-        baseline = state["baseline"]  # (numbers, not just JSON)
-        self.baseline = None if baseline is None else float(baseline)
+        self.baseline = None if state["baseline"] is None else float(state["baseline"])  # (numbers, not just JSON)
         self.recent, self.warning = [float(kl) for kl in state["recent"]], bool(state["warning"])
 

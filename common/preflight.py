@@ -1,5 +1,5 @@
-"""Checks before the first step, to fail early with one line rather than late with a traceback: a model directory
-that cannot load, a run directory some rank cannot see, activations that overflow the train or rollout precision."""
+"""Checks to fail early with one line, not late with a traceback: model directory, shared run directory, overflow."""
+import functools
 import json
 import math
 import os
@@ -14,6 +14,8 @@ from common.fsdp import decoder_layers
 from common.logprobs import collate
 from common.precision import DTYPES, precision_name
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # any one: fast, sentencepiece, BPE
+
 
 def not_json(e: json.JSONDecodeError | UnicodeDecodeError) -> str:
     """Where a JSON file stops being JSON or UTF-8, for a message."""
@@ -23,8 +25,7 @@ def not_json(e: json.JSONDecodeError | UnicodeDecodeError) -> str:
 
 
 def check_model_dir(path: str, flag: str = "--model") -> None:
-    """Fail before anything loads on a path that cannot be a Hugging Face model directory: its config.json, tokenizer
-    files, every JSON file parsed, safetensors weights complete. flag names the path (--model; --resume)."""
+    """Fail before anything loads on a path that cannot be a Hugging Face model directory; flag names it (--resume)."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{flag} {path!r}: no such directory (give a local Hugging Face model directory)")
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -66,9 +67,6 @@ def check_model_dir(path: str, flag: str = "--model") -> None:
                              "interrupted copy or download?") from None
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # any one: fast, sentencepiece, BPE
-
-
 def check_shared_dir(path: str, device) -> None:
     """Collective. ValueError on every rank when one does not see a file rank 0 wrote into `path` (docs/scale.md)."""
     if dist.get_world_size() == 1:
@@ -106,13 +104,11 @@ def check_forward_range(model, prompts: list[list[int]], pad_id: int, device, tr
     named += [(f"{lm.base_model_prefix}.layers.{i}", layer) for i, layer in enumerate(decoder_layers(lm))]
     peaks = {name: 0.0 for name, _ in named}
 
-    def record(name):
-        def hook(module, inputs, output):
-            out = output[0] if isinstance(output, tuple) else output
-            peak = out.detach().abs().max().float()
-            peaks[name] = max(peaks[name], peak.item() if torch.isfinite(peak) else float("inf"))
-        return hook
-    handles = [m.register_forward_hook(record(name)) for name, m in named]
+    def record(name, module, inputs, output):
+        out = output[0] if isinstance(output, tuple) else output
+        peak = out.detach().abs().max().float()
+        peaks[name] = max(peaks[name], peak.item() if torch.isfinite(peak) else float("inf"))
+    handles = [m.register_forward_hook(functools.partial(record, name)) for name, m in named]
     try:
         rows = [p for p in prompts if len(p) >= 2] or [[pad_id, pad_id]]
         ids, attn, rmask = collate([p[:-1] for p in rows], [p[-1:] for p in rows], pad_id, device)

@@ -1,5 +1,4 @@
-"""The run directory: one run in it, one run at a time (docs/faults.md, "The run directory"), and its checkpoints as a
-script saves and resumes them (docs/checkpoints.md)."""
+"""The run directory, one run at a time (docs/faults.md, "The run directory"); its checkpoints: docs/checkpoints.md."""
 import json
 import os
 import re
@@ -24,8 +23,7 @@ LOCK_FILE = ".lock"
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 RUN_CONFIG_KEYS = ("exp_name", "seed", "num_steps")  # in every script's config.json (with "script" since it is kept)
-# checkpoints/ holds step_NNNNNN, a save in progress or cut short (.tmp), and what a resume from an older step set
-# aside (abandoned_<time>; docs/checkpoints.md)
+# checkpoints/: step_NNNNNN, a save unfinished (.tmp), what a resume from an older step set aside (abandoned_<time>)
 CHECKPOINT_ENTRY = re.compile(r"^(step_\d+(\.tmp)?|abandoned_[\d_-]+)$")
 
 
@@ -49,8 +47,7 @@ def _json_object(path: str) -> dict | None:
 
 
 def not_a_run(run_dir: str) -> str | None:
-    """Why run_dir holds what no run wrote (a model, another config.json, other files named as a run's), or None: it
-    is never written into or cleared, as --overwrite would delete what is not ours."""
+    """Why no run may write into or clear run_dir (a model, another config.json, files named as a run's), or None."""
     models = [name for name in MODEL_FILES if os.path.lexists(os.path.join(run_dir, name))]
     held = f"; it holds {', '.join(models)}" if models else ""
     config = None
@@ -64,17 +61,13 @@ def not_a_run(run_dir: str) -> str | None:
             return f"its config.json is not a run's (no {', '.join(('script',) + RUN_CONFIG_KEYS)} keys)" + held
     if models:
         return f"it holds a model ({', '.join(models)})"
-    # a run's checkpoints/ holds step folders only, its other files lie beside its config.json, wandb/ beside the
-    # settings of a run with --track
-    found = run_files(run_dir)
-    tracked = bool(config and config.get("track"))
+    found, tracked = run_files(run_dir), bool(config and config.get("track"))
     for name in found:
         path = os.path.join(run_dir, name)
         if name == "checkpoints":
             if not os.path.isdir(path) or os.path.islink(path):
                 return f"its {name} is not a run's checkpoints (not a directory)"
-            odd = [e for e in sorted(os.listdir(path)) if not CHECKPOINT_ENTRY.match(e) and not e.startswith(".")]
-            if odd:
+            if odd := [e for e in sorted(os.listdir(path)) if not CHECKPOINT_ENTRY.match(e) and not e.startswith(".")]:
                 return (f"its {name}/ is not a run's checkpoints (it holds {', '.join(odd[:4])}"
                         f"{', ...' if len(odd) > 4 else ''}, not step_NNNNNN folders)")
         elif config is None and name != "wandb":
@@ -141,8 +134,7 @@ class RunDir:
                     obj.load_state_dict(trainer_state.get(name, {}))
             if folder == "":
                 step, streams = trainer_state["step"], rank_state
-        # the random streams last: rng_rank<r>.json is this rank's own, so a damaged one stops every rank here, after
-        # the collectives of loading
+        # the streams last: a damaged rng_rank<r>.json (this rank's alone) stops every rank, after the collectives
         error = None
         if streams:
             try:
@@ -159,8 +151,7 @@ class RunDir:
 
 def resume_hint(ckpt_root: str) -> str:
     """How the line on Ctrl-C goes on: --resume latest where a checkpoint exists, else that there is none."""
-    found = checkpoint.list_checkpoints(ckpt_root)
-    if found:
+    if found := checkpoint.list_checkpoints(ckpt_root):
         return f"; resume with --resume latest (step {checkpoint.checkpoint_step(found[-1])})"
     return ", before the run's first checkpoint: nothing to resume; start it again with --overwrite"
 
@@ -173,8 +164,7 @@ def set_aside_newer(ckpt_root: str, step: int, metrics_path: str) -> None:
         return
     aside = os.path.join(ckpt_root, f"abandoned_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}")
     os.makedirs(aside)
-    rows = rows_after(metrics_path, step)
-    if rows:  # first: the log of the line left behind goes with its checkpoints
+    if rows := rows_after(metrics_path, step):  # first: the log of the line left behind goes with its checkpoints
         with open(os.path.join(aside, "metrics.jsonl"), "w") as f:
             f.writelines(rows)
     for c in newer:
