@@ -188,7 +188,8 @@ def write_safetensors(path: str, entries: list[tuple[str, tuple, torch.dtype]], 
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape, dtype in entries:
         size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
@@ -199,7 +200,8 @@ def write_safetensors(path: str, entries: list[tuple[str, tuple, torch.dtype]], 
         f.write(len(text).to_bytes(8, "little") + text)
         for (name, shape, dtype), (got, t) in zip(entries, tensors, strict=True):
             if got != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                raise RuntimeError(f"write_safetensors: expected {name} {shape} {dtype}, got {got} {tuple(t.shape)} {t.dtype}")
+                raise RuntimeError(f"write_safetensors: expected {name} {shape} {dtype}, "
+                                   f"got {got} {tuple(t.shape)} {t.dtype}")
             f.write(t.contiguous().view(torch.uint8).numpy().data)
             progress(header[name]["data_offsets"][1], offset)
 
@@ -342,7 +344,8 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)  # the same bytes, now known to build plain data only
 
 
-def load_training_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
+def load_training_state(path: str, model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
     """Collective. Optimizer state (resharded: any number of ranks), trainer_state.json and this rank's RNG state ({}
     for a rank the checkpoint did not have); nothing unpickled unchecked. The weights come with loading `path`."""
     rank, optimizer_dir = dist.get_rank(), os.path.join(path, "optimizer")

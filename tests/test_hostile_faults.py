@@ -208,7 +208,7 @@ def test_a_worker_whose_trainer_is_gone_before_it_is_ready_exits_quietly():
     """Before: a reward worker started just before its trainer ended said "ready" into the closed pipe and printed a
     BrokenPipeError traceback (seen once in CI, after the test above's last line). Its replies and its "ready" go
     through one function that exits quietly when nobody is there."""
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "common", "reward_pool.py"), "--worker"],
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "tasks", "reward_pool.py"), "--worker"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     p.stdout.close()  # the trainer's end of the pipe, gone before the worker says it is ready
     err = p.stderr.read()
