@@ -1,4 +1,4 @@
-"""What every script shares on its command line: the Infra flags, their range checks, the built-in preset, exits."""
+"""What every script shares on its command line: the Infra flags, their ranges, the built-in task's preset, exits."""
 import dataclasses
 import math
 import os
@@ -107,9 +107,14 @@ def parse(args_class, preset: dict, argv: list[str] | None = None):
 
 def with_values(obj, values: dict):
     """A copy of the dataclass `obj` with `values` (flat field names) set, in nested groups too."""
-    current = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    return dataclasses.replace(obj, **{name: with_values(v, values) if dataclasses.is_dataclass(v) else values[name]
-                                       for name, v in current.items() if dataclasses.is_dataclass(v) or name in values})
+    changes = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            changes[f.name] = with_values(value, values)
+        elif f.name in values:
+            changes[f.name] = values[f.name]
+    return dataclasses.replace(obj, **changes)
 
 
 # (valid(value), what is valid) of the flags scripts share; a script's own, or its own range for one, go to `ranges`

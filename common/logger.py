@@ -160,7 +160,9 @@ def eta_s(intervals: list[float], steps_left: int) -> float | None:
 def fmt_duration(seconds: float) -> str:
     """45s, 3m05s, 2h07m: two units at most, rounded down."""
     s = int(seconds)
-    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s < 60:
+        return f"{s}s"
+    return f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def fmt(x) -> str:
