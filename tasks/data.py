@@ -15,8 +15,9 @@ PROBLEM_FIELDS = ("problem", "prompt", "question")  # first one present wins
 ANSWER_FIELDS = ("answer", "solution")
 
 
-def _read_rows(path: str) -> list[tuple[str, object]]:
-    """(where, row) pairs; `where` says where a row came from, for error messages."""
+def read_rows(path: str) -> list[tuple[str, object]]:
+    """(where, row) pairs of a .jsonl, .json or .parquet file; `where` says where a row came from, for error messages
+    (the datasets' reader, and the reward model's pairs')."""
     ext = os.path.splitext(path)[1].lower()
     if ext == ".jsonl":
         rows = []
@@ -79,7 +80,7 @@ def load_problems(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file not found: {path}")
     problems = []
-    for where, row in _read_rows(path):
+    for where, row in read_rows(path):
         where = f"{path}: {where}"
         if not isinstance(row, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")

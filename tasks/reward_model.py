@@ -47,6 +47,7 @@ import torch.nn.functional as F
 import tyro
 
 from common import exits
+from tasks.data import read_rows
 
 
 @dataclass
@@ -122,35 +123,22 @@ def log(*parts) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 def read_pairs(path: str) -> list[dict]:
-    """The {prompt, chosen, rejected, margin} rows of a .jsonl file (margin 0 where a row has none); a one-line
-    ValueError on a bad row."""
+    """The {prompt, chosen, rejected, margin} rows of a .jsonl (or .json, .parquet) file, read as a dataset is
+    (tasks/data.py), margin 0 where a row has none; a one-line ValueError on a bad row."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"pairs file {path!r}: no such file")
     rows = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}: line {lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
-                                 f"{e.start + 1})") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}: line {lineno}: expected a JSON object")
-            for key in ("prompt", "chosen", "rejected"):
-                if not isinstance(row.get(key), str):
-                    raise ValueError(f"{path}: line {lineno}: field {key!r} missing or not a string (a pair is "
-                                     "{prompt, chosen, rejected})")
-            margin = row.get("margin", 0.0)
-            if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
-                raise ValueError(f"{path}: line {lineno}: field 'margin' is {json.dumps(margin)[:40]}, not a finite "
-                                 "number")
-            rows.append({**{key: row[key] for key in ("prompt", "chosen", "rejected")}, "margin": float(margin)})
+    for where, row in read_rows(path):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: {where}: expected a JSON object")
+        for key in ("prompt", "chosen", "rejected"):
+            if not isinstance(row.get(key), str):
+                raise ValueError(f"{path}: {where}: field {key!r} missing or not a string (a pair is "
+                                 "{prompt, chosen, rejected})")
+        margin = row.get("margin", 0.0)
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+            raise ValueError(f"{path}: {where}: field 'margin' is {json.dumps(margin)[:40]}, not a finite number")
+        rows.append({**{key: row[key] for key in ("prompt", "chosen", "rejected")}, "margin": float(margin)})
     if not rows:
         raise ValueError(f"{path}: no pairs")
     return rows

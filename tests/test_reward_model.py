@@ -612,6 +612,21 @@ def test_bad_pairs_files(tmp_path):
         read_pairs(str(latin1))
 
 
+def test_pairs_are_read_as_datasets_are(tmp_path):
+    """A pairs file is read by the datasets' reader (tasks/data.py): .json and .parquet as .jsonl, a bad row named."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "3", "margin": 1.5}, {"prompt": "2+2=", "chosen": "4",
+                                                                             "rejected": "5"}]
+    want = [{**rows[0]}, {**rows[1], "margin": 0.0}]
+    (tmp_path / "p.json").write_text(json.dumps(rows))
+    pq.write_table(pa.Table.from_pylist([{**r, "margin": r.get("margin", 0.0)} for r in rows]), tmp_path / "p.parquet")
+    assert read_pairs(str(tmp_path / "p.json")) == want == read_pairs(str(tmp_path / "p.parquet"))
+    (tmp_path / "bad.json").write_text(json.dumps([rows[0], {"prompt": "x", "chosen": 1, "rejected": "y"}]))
+    with pytest.raises(ValueError, match=r"bad.json: row 1 \(0-based\): field 'chosen' missing or not a string"):
+        read_pairs(str(tmp_path / "bad.json"))
+
+
 def test_pairs_with_chosen_equal_to_rejected_are_dropped_and_counted(tiny_model_dir, tmp_path, capfd):
     """Such a pair teaches nothing and, held out, is a tie that counts as wrong: dropped, said at start and counted
     in reward_model.json; with nothing else left, refused."""
