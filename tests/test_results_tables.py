@@ -1,5 +1,6 @@
-"""sanity/results_tables.py: docs/results.md's generated tables agree with the committed data, a hand edit inside a
-generated block is caught, and the tables' numbers are computed right on tiny synthetic runs and benchmark results."""
+"""sanity/results_tables.py: the generated tables of docs/results.md and of the results folders' pages agree with the
+committed data, a hand edit inside a generated block is caught, a table without a block on any page is refused, and
+the tables' numbers are computed right on tiny synthetic runs and benchmark results."""
 import json
 import os
 import subprocess
@@ -9,16 +10,25 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "results.md")
+CONTROL = os.path.join(ROOT, "sanity", "results", "control_1.5b", "README.md")  # the other page with a block
 
 
-def check(page):
-    return subprocess.run([sys.executable, "-m", "sanity.results_tables", "--check", "--page", str(page)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+def check(*pages):
+    return subprocess.run([sys.executable, "-m", "sanity.results_tables", "--check", "--pages", *map(str, pages)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-def test_page_matches_committed_data():
-    res = check(PAGE)
+def test_pages_match_committed_data():
+    res = subprocess.run([sys.executable, "-m", "sanity.results_tables", "--check"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)  # the default pages
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_every_table_needs_a_block_on_some_page():
+    res = check(PAGE)  # the control's table has its block on the other page too, but not only there: fine
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = check(CONTROL)  # the other page alone lacks the rest
+    assert res.returncode != 0 and "no generated block for analysis_135m" in res.stderr
 
 
 def test_hand_edit_inside_a_block_is_caught(tmp_path):
@@ -27,14 +37,14 @@ def test_hand_edit_inside_a_block_is_caught(tmp_path):
     assert page.count(row) == 1
     edited = tmp_path / "results.md"
     edited.write_text(page.replace(row, row.replace("8.46", "8.47")), encoding="utf-8")
-    res = check(edited)
+    res = check(edited, CONTROL)
     assert res.returncode == 1 and "block bench_real_step differs" in res.stdout and res.stdout.count("differs") == 1
     # the prose around the blocks is the page's own: an edit there is not the generator's business
     edited.write_text(page.replace("About 0.3 s per step", "About 0.4 s per step"), encoding="utf-8")
-    assert check(edited).returncode == 0
+    assert check(edited, CONTROL).returncode == 0
     # without --check the block is rewritten from the data and the page is whole again
     edited.write_text(page.replace(row, row.replace("8.46", "8.47")), encoding="utf-8")
-    subprocess.run([sys.executable, "-m", "sanity.results_tables", "--page", str(edited)], cwd=ROOT, check=True,
+    subprocess.run([sys.executable, "-m", "sanity.results_tables", "--pages", str(edited)], cwd=ROOT, check=True,
                    capture_output=True, timeout=300)
     assert edited.read_text(encoding="utf-8") == page
 
@@ -90,6 +100,36 @@ def test_eval_table_on_synthetic_metrics(tmp_path):
         eval_table([("B", *load_run(b))], [0, 2], corner="step")
 
 
+def test_control_table_on_synthetic_metrics(tmp_path):
+    from sanity.results_tables import control_table, load_run
+    runs = []
+    for name, unequal, kl in (("a", [3.0, 0.0, 5.0], [2e-6, 4e-6, 6e-6]), ("b", [0.0] * 3, [0.0] * 3)):
+        os.makedirs(tmp_path / name)
+        rows = [{"step": 0, "eval/eval/accuracy": 0.25}, {"step": 3, "eval/eval/accuracy": 0.5}]
+        rows += [{"step": s, "train/accuracy": 0.5 + 0.1 * s, "train/entropy": 0.2, "mismatch/kl_k3": kl[s - 1],
+                  "mismatch/unequal_tokens": unequal[s - 1], "optim/grad_norm": 0.05 * s,
+                  "train/response_len_mean": 1000.0 * s, "policy/clip_frac": 1e-4} for s in (1, 2, 3)]
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        runs.append((name.upper(), *load_run(str(tmp_path / name))))
+    # means over steps 2-3 by hand: accuracy (0.7 + 0.8) / 2, kl_k3 (4e-6 + 6e-6) / 2 and 0, unequal (0 + 5) / 2,
+    # gradient norm (0.1 + 0.15) / 2, length (2000 + 3000) / 2; the steps with any unequal token count all three
+    assert control_table(runs, 2, 3, [0, 3]).split("\n") == [
+        "|  | A | B |",
+        "|---|---|---|",
+        "| training accuracy, mean over steps 2-3 | 0.750 | 0.750 |",
+        "| entropy (nats per token), mean over steps 2-3 | 0.200 | 0.200 |",
+        "| kl_k3, mean over steps 2-3 | 5.0e-6 | 0 |",
+        "| unequal tokens a step, mean over steps 2-3 | 2 | 0 |",  # 2.5: round half to even
+        "| gradient norm, mean over steps 2-3 | 0.125 | 0.125 |",
+        "| response length (tokens), mean over steps 2-3 | 2,500 | 2,500 |",
+        "| clip fraction, mean over steps 2-3 | 1.0e-4 | 1.0e-4 |",
+        "| steps with any unequal token | 2 of 3 | 0 of 3 |",
+        "| held-out accuracy, step 0 -> 3 | 0.25 -> 0.50 | 0.25 -> 0.50 |"]
+    with pytest.raises(ValueError, match="no held-out accuracy at step 2"):
+        control_table(runs, 2, 3, [0, 2])
+
+
 def test_bench_tables_on_synthetic_results():
     from sanity.results_tables import rl_step_phases_table, rl_step_runs_table
     step = lambda s, t: {"step": s, "time/sample": t, "time/recompute": 1.0, "time/train": 2.0, "time/sync": 0.5,
@@ -122,8 +162,8 @@ def test_fill_blocks():
     assert fill_blocks(out, {"t": "| a |\n|---|", "u": "| b |"}) == (out, [])
     with pytest.raises(ValueError, match="'u', which is no table"):
         fill_blocks(page, {"t": "| a |"})
-    with pytest.raises(ValueError, match="no generated block for v"):
-        fill_blocks(page, {"t": "| a |", "u": "| b |", "v": "| c |"})
+    assert fill_blocks(page, {"t": "| a |", "u": "| b |", "v": "| c |"})[0] == fill_blocks(page, {"t": "| a |",
+                                                                                             "u": "| b |"})[0]
 
 
 def test_hand_written_notes_name_the_missing_data():
