@@ -2,6 +2,7 @@
 per request), weights reloaded in place, asleep while training. vLLM internals: `_model_runner` here, and exact.py's."""
 import gc
 import importlib.util
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,6 +11,9 @@ import torch.distributed as dist
 
 from common.batches import Rollout
 from common.precision import precision_name
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+    lambda r: r.getMessage() != "RotaryEmbedding: Failed to load weights")  # each sync: its cos/sin cache is no weight
 
 
 def _model_runner(llm):
@@ -58,8 +62,7 @@ class VLLMSampler:
             exact.prepare_process()
         if importlib.util.find_spec("flashinfer") is None:  # some vLLM builds leave it out; vLLM's FlashInfer
             os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # sampler then fails at start, importing it
-        # external_launcher reads torchrun's variables (a plain `python script.py` is a group of one); those set here
-        # are unset at shutdown: a later group of one must not look like torchrun
+        # external_launcher reads torchrun's variables; those set here are unset at shutdown, for a later group of one
         values = {"RANK": dist.get_rank(), "LOCAL_RANK": dist.get_rank(), "WORLD_SIZE": dist.get_world_size()}
         self.env_set = [key for key in values if key not in os.environ]
         os.environ.update({key: str(values[key]) for key in self.env_set})
@@ -83,14 +86,12 @@ class VLLMSampler:
                 raise ValueError(f"vLLM refused {precision_name(dtype)} rollouts for this model: {e}. Choose another "
                                  f"--rollout-precision (or --sampler hf)") from e
             raise
-        self.exact_plan = exact
+        self.exact_plan, self.tp_group = exact, None
         self.exact_facts = exact.engine_started(self.llm, _model_runner(self.llm)) if exact is not None else None
-        self.tp_group = None
         if tp > 1:  # every rank creates every TP group (new_group is collective), keeps its own
-            world = dist.get_world_size()
-            if world % tp:
-                raise ValueError(f"--vllm-tp {tp} does not divide the number of ranks {world}")
-            groups = [dist.new_group(list(range(start, start + tp))) for start in range(0, world, tp)]
+            if dist.get_world_size() % tp:
+                raise ValueError(f"--vllm-tp {tp} does not divide the number of ranks {dist.get_world_size()}")
+            groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, dist.get_world_size(), tp)]
             self.tp_group = groups[dist.get_rank() // tp]
 
     @torch.no_grad()
@@ -132,8 +133,7 @@ class VLLMSampler:
         """n samples per prompt, greedy at temperature <= 0, the sampled tokens' log-probs, no detokenization."""
         from vllm import SamplingParams
         greedy = temperature <= 0
-        # flat_logprobs: flat lists per response, not a dict and a Logprob per token built in the (in-process) decode
-        # loop: on one H100, 64 x 8 responses up to 1,024 tokens, llm.generate 13-21% faster
+        # flat_logprobs: flat lists, not a Logprob per token (one H100, 64 x 8 x 1,024 tokens: generate 13-21% faster)
         return SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                               max_tokens=max_new_tokens, logprobs=0, detokenize=False, flat_logprobs=True,
                               ignore_eos=ignore_eos)

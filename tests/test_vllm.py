@@ -134,3 +134,17 @@ def test_sampled_logprobs_from_either_form():
     for t, lp in zip(ids, (-0.5, -1.25, -2.0)):
         one.append({t: Logprob(lp)})
     assert _sampled_logprobs(one, ids) == [-0.5, -1.25, -2.0]
+
+
+def test_reload_warning_of_the_rotary_cache_is_dropped():
+    """vLLM's weight reload warns "RotaryEmbedding: Failed to load weights" at every sync (the rotary cos/sin cache
+    is no weight and stays as it was): the sampler drops that record of the reload's logger, and no other."""
+    import logging
+    import common.vllm_sampler  # noqa: F401 (it adds the filter)
+    log = importlib.import_module("vllm.model_executor.model_loader.reload.layerwise").logger
+    record = lambda layer, level=logging.WARNING: log.makeRecord(log.name, level, "layerwise.py", 1,
+                                                                 "%s: Failed to load weights", (layer,), None)
+    assert not log.filter(record("RotaryEmbedding"))
+    assert log.filter(record("QKVParallelLinear"))  # a layer whose weights did not load is still told
+    assert log.filter(log.makeRecord(log.name, logging.WARNING, "layerwise.py", 1, "%s: Delayed processing",
+                                     ("RotaryEmbedding",), None))
