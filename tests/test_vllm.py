@@ -142,9 +142,8 @@ def test_reload_warning_of_the_rotary_cache_is_dropped():
     import logging
     import common.vllm_sampler  # noqa: F401 (it adds the filter)
     log = importlib.import_module("vllm.model_executor.model_loader.reload.layerwise").logger
-    record = lambda layer, level=logging.WARNING: log.makeRecord(log.name, level, "layerwise.py", 1,
-                                                                 "%s: Failed to load weights", (layer,), None)
+    record = lambda layer, msg="%s: Failed to load weights": log.makeRecord(log.name, logging.WARNING,
+                                                                             "layerwise.py", 1, msg, (layer,), None)
     assert not log.filter(record("RotaryEmbedding"))
     assert log.filter(record("QKVParallelLinear"))  # a layer whose weights did not load is still told
-    assert log.filter(log.makeRecord(log.name, logging.WARNING, "layerwise.py", 1, "%s: Delayed processing",
-                                     ("RotaryEmbedding",), None))
+    assert log.filter(record("RotaryEmbedding", "%s: Delayed processing"))
