@@ -38,6 +38,8 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -802,6 +804,9 @@ def bench_rl_step(res: Results, args, model_dir):
         res.data["rl_step"]["runs"].append(entry)
         res.write()
         print0(f"[{now()}] rl_step {label}: {' '.join(cmd[1:])}" + (f" (in {run['dir']})" if run["dir"] else ""))
+        # beside the results: the run's whole output and its metrics.jsonl as it grows (kept if it is cut short)
+        stem = res.path + "_rl_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
+        log = open(stem + ".log", "w", buffering=1) if res.enabled else None
 
         def read_steps() -> list[dict]:
             rows = []
@@ -819,14 +824,21 @@ def bench_rl_step(res: Results, args, model_dir):
 
         def on_line(line):
             nonlocal following
+            if log:
+                log.write(line + "\n")
             if line.startswith("[") or "error" in line.lower():
                 print0("  " + line)
             following = recompile(entry["recompiles"], line, len(entry["steps"]) + 1, following)
+            vllm_facts(entry, line)
             new = read_steps()  # recorded as they come: a run cut short (e.g. in the final checkpoint) keeps them
             if len(new) > len(entry["steps"]):
                 entry["steps"], entry["wall_s"] = new, round(time.perf_counter() - t0, 1)
                 res.write()
+                if res.enabled:
+                    shutil.copyfile(metrics_path, stem + "_metrics.jsonl")
         code, tail = stream(cmd, run["dir"] or ROOT, on_line, {"TORCH_LOGS": "recompiles"})
+        if log:
+            log.close()
         entry["wall_s"] = round(time.perf_counter() - t0, 1)
         entry["steps"] = read_steps()
         if code:
@@ -851,6 +863,17 @@ def recompile(found: list[dict], line: str, step: int, following: bool) -> bool:
         found[-1]["lines"].append(line.strip())
         return True
     return False
+
+
+def vllm_facts(entry: dict, line: str) -> None:
+    """vLLM's KV cache in tokens and its concurrency at the longest request, from the line it logs at start (the first
+    rank's: every engine of a run gets the same share of its GPU)."""
+    m = re.search(r"GPU KV cache size: ([\d,]+) tokens", line)
+    if m and "kv_cache_tokens" not in entry:
+        entry["kv_cache_tokens"] = int(m.group(1).replace(",", ""))
+    m = re.search(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x", line)
+    if m and "max_concurrency" not in entry:
+        entry["max_concurrency"] = {"tokens": int(m.group(1).replace(",", "")), "x": float(m.group(2))}
 
 
 def phase_means(steps: list[dict], skip: int = 1) -> dict:
@@ -1065,6 +1088,10 @@ def render_markdown(data: dict) -> str:
                           key=lambda k: (order.index(k) if k in order else len(order), not k.startswith("mem/"), k))
             lines += [f"### {r['label']}", "", f"`python {r.get('command')}` ({r.get('code', 'this checkout')}; "
                       f"{r.get('wall_s')} s wall, with start-up and the final checkpoint)", ""]
+            if r.get("kv_cache_tokens"):
+                mc = r.get("max_concurrency") or {}
+                lines += [f"vLLM's KV cache: {r['kv_cache_tokens']:,} tokens"
+                          + (f", {mc['x']:g} requests of {mc['tokens']:,} tokens at once" if mc else ""), ""]
             for rc in r.get("recompiles", []):
                 lines += [f"- recompiled at step {rc['step']}: " + " / ".join(f"`{x}`" for x in rc["lines"])]
             if r.get("recompiles"):

@@ -69,6 +69,11 @@ def test_every_section_writes_rows_and_a_table(bench_dir):
         steps = r["steps"]
         assert [s["step"] for s in steps] == [1, 2] and r["recompiles"] == []  # (no torch.compile on a CPU)
         assert all(s["time/sample"] > 0 and s["time/train"] > 0 and s["time/sync"] > 0 for s in steps)
+        stem = bench_dir / "out" / ("tiny_rl_" + r["label"].replace(" ", "_"))  # its whole output and metrics
+        with open(f"{stem}_metrics.jsonl") as f:
+            assert [json.loads(line)["step"] for line in f if "time/step" in line] == [1, 2]
+        with open(f"{stem}.log") as f:
+            assert any(line.startswith("step 2 |") for line in f)
     assert any("no CUDA" in n for n in data["notes"])
     for header in ("## Matmul peak", "## Trainer (per GPU)", "MFU train (6N)", "## Log-prob head memory",
                    "## Samplers", "## Weight sync", "## A whole RL step", "| 16 + 64 |", "time/sample",
@@ -218,6 +223,19 @@ def test_recompilations_are_read_from_the_log_with_their_guards():
         following = recompile(found, line, 2 if i else 1, following)
     assert len(found) == 1 and found[0]["step"] == 2 and len(found[0]["lines"]) == 3
     assert found[0]["lines"][2].endswith("expected 380, actual 412")
+
+
+def test_vllm_kv_cache_facts_are_read_from_the_log():
+    """The KV cache's size and the concurrency vLLM logs at start (the first engine's), shown with the run."""
+    from bench.benchmark import render_markdown, vllm_facts
+    entry = {"label": "default", "steps": []}
+    for line in ["INFO 11-27 17:30:03 [kv_cache_utils.py:2146] GPU KV cache size: 896,112 tokens",
+                 "INFO 11-27 17:30:03 [kv_cache_utils.py:2147] Maximum concurrency for 4,096 tokens per request: "
+                 "218.78x", "(another rank) GPU KV cache size: 5 tokens", "[step 1/3] ..."]:
+        vllm_facts(entry, line)
+    assert entry["kv_cache_tokens"] == 896112 and entry["max_concurrency"] == {"tokens": 4096, "x": 218.78}
+    md = render_markdown({"rl_step": {"runs": [entry]}})
+    assert "vLLM's KV cache: 896,112 tokens, 218.78 requests of 4,096 tokens at once" in md
 
 
 def test_force_len_needs_vllm(tmp_path):
