@@ -7,6 +7,19 @@ import torch
 import torch.distributed as dist
 
 
+# PyTorch counts a sleeping vLLM engine's tensors as allocated, though sleep released their GPU memory: `released`
+# bytes of them now, and the real peak of the phase's windows closed so far (a window: constant `released`)
+_pool = {"released": 0, "peak": 0}
+
+
+def set_released(n: int) -> None:
+    """The sampler's sleep and wake: closes the window of the old value (a peak reset), so that no mem/*_peak_gib
+    counts memory that was released, nor leaves out memory that was in use."""
+    _pool["peak"] = max(_pool["peak"], torch.cuda.max_memory_allocated() - _pool["released"])
+    torch.cuda.reset_peak_memory_stats()
+    _pool["released"] = n
+
+
 class StepStats:
     """A step's metrics on this rank, added where computed (0-d tensors may stay on the GPU: no sync before reduce)."""
 
@@ -44,9 +57,13 @@ class StepStats:
 
     @contextmanager
     def phase(self, name: str):
-        """time/<name>, and on a GPU mem/<name>_peak_gib (PyTorch's peak allocation) and mem/<name>_used_gib (the
-        device's memory in use at its end, vLLM's included) unless memory(name) recorded them earlier in the phase."""
+        """time/<name>, and on a GPU mem/<name>_peak_gib (PyTorch's peak allocation, a sleeping vLLM engine's released
+        pool left out) and mem/<name>_used_gib (the device's memory in use at its end, vLLM's included) unless
+        memory(name) recorded them earlier in the phase."""
         t0 = time.perf_counter()
+        if self.device.type == "cuda":  # (what ran between phases, or after memory() in the last one, is not counted)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            _pool["peak"] = 0
         yield
         if f"mem/{name}_used_gib" not in self.values:
             self.memory(name)
@@ -56,9 +73,11 @@ class StepStats:
         """The GPU memory of phase `name` now (see phase), and a new peak from here."""
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            self.values[f"mem/{name}_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            peak = max(_pool["peak"], torch.cuda.max_memory_allocated(self.device) - _pool["released"])
+            self.values[f"mem/{name}_peak_gib"] = peak / 2**30
             self.values[f"mem/{name}_used_gib"] = (total - free) / 2**30
             torch.cuda.reset_peak_memory_stats(self.device)
+            _pool["peak"] = 0
 
     def reduce(self, all_ranks: bool = True) -> dict:
         """Collective (two: a sum, a max of maxima and negated minima): every metric over all ranks (all_ranks=False:

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from common import metrics
 from common.batches import Rollout
 from common.precision import precision_name
 
@@ -19,6 +20,13 @@ logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter
 def _model_runner(llm):
     """The one place that reaches into vLLM's internals (in-process engine, V1, as of vLLM 0.25-0.32)."""
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+def _released_bytes() -> int:
+    """Bytes of vLLM's sleep-mode pool released by sleep: PyTorch still counts its tensors as allocated, which would
+    put the sleeping engine's share of the GPU into every mem/*_peak_gib (its allocator's records, vLLM 0.25-0.32)."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+    return sum(d.handle[1] for d in CuMemAllocator.get_instance().pointer_to_data.values() if d.is_asleep)
 
 
 def _import_llm():
@@ -99,6 +107,7 @@ class VLLMSampler:
         if self.asleep and not self.weights_awake:
             self.llm.wake_up(tags=["weights"])  # the weights' memory back; their values come next
             self.weights_awake = True
+            metrics.set_released(_released_bytes())
         _model_runner(self.llm).reload_weights(weights_iterator=named_tensors)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self.weights_loaded = True
@@ -106,6 +115,7 @@ class VLLMSampler:
     def sleep(self) -> None:
         if self.sleep_level and not self.asleep:
             self.llm.sleep(level=self.sleep_level)
+            metrics.set_released(_released_bytes())
             self.asleep, self.weights_awake = True, False
             self.weights_loaded = self.sleep_level == 1  # level 1 keeps a CPU copy; level 2 drops them
 
@@ -116,6 +126,7 @@ class VLLMSampler:
             raise RuntimeError("vLLM slept at level 2 (weights discarded) and no weights were loaded from the "
                                "trainer since: refusing to sample from uninitialised weights")
         self.llm.wake_up(tags=["kv_cache"] if self.weights_awake else None)
+        metrics.set_released(0)
         self.asleep = False
 
     def shutdown(self) -> None:

@@ -77,3 +77,37 @@ def test_minibatches_are_consecutive_shares_cut_into_micro_batches(process_group
     mbs = minibatches([5, 5, 3, 3, 9, 1], 2, 10, device)
     assert [sorted(i for micro in mb for i in micro) for mb in mbs] == [[0, 1, 2], [3, 4, 5]]
     assert minibatch_tokens(mbs, [1, 2, 3, 4, 5, 6], device) == [6.0, 15.0]
+
+
+def test_memory_peaks_leave_a_sleeping_engines_pool_out(monkeypatch):
+    """vLLM's sleep mode releases its pool's GPU memory, but PyTorch still counts the pool's tensors as allocated: the
+    mem/*_peak_gib keys leave out what was released while it was. One step as grpo.py runs it (the sample phase's
+    memory read before the sampler sleeps), with a 40 GiB pool of which 3 GiB are weights, and a trainer that holds
+    18 GiB between phases and peaks at 22, 30 and 24 GiB in the recompute, training and sync."""
+    from common import metrics
+    G = 2**30
+    mem = {"now": 58 * G, "peak": 58 * G}  # PyTorch's allocation and its peak: the trainer's, and the whole pool
+
+    def allocate(n):
+        mem["now"] = n
+        mem["peak"] = max(mem["peak"], n)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: mem.update(peak=mem["now"]))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: mem["peak"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * G, 80 * G))
+    monkeypatch.setattr(metrics, "_pool", {"released": 40 * G, "peak": 0})  # the step before slept
+    stats = StepStats(torch.device("cuda"))
+    with stats.phase("sample"):
+        metrics.set_released(0)  # awake
+        allocate(60 * G)  # sampling's own 2 GiB on top of the trainer's 18
+        allocate(58 * G)
+        stats.memory("sample")
+        metrics.set_released(40 * G)  # asleep
+    for phase, peak, end in (("recompute", 62, 58), ("train", 70, 58), ("sync", 61, 58)):
+        with stats.phase(phase):
+            if phase == "sync":
+                metrics.set_released(37 * G)  # the weights woken to be loaded
+            allocate(peak * G)
+            allocate(end * G)
+    v = stats.values
+    assert [v[f"mem/{p}_peak_gib"] for p in ("sample", "recompute", "train", "sync")] == [60, 22, 30, 24]
+    assert v["mem/train_used_gib"] == 60  # the device's use, as it is

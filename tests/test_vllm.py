@@ -147,3 +147,19 @@ def test_reload_warning_of_the_rotary_cache_is_dropped():
     assert not log.filter(record("RotaryEmbedding"))
     assert log.filter(record("QKVParallelLinear"))  # a layer whose weights did not load is still told
     assert log.filter(record("RotaryEmbedding", "%s: Delayed processing"))
+
+
+def test_released_bytes_count_the_sleeping_allocations_of_the_pool(monkeypatch):
+    """The bytes that mem/*_peak_gib leave out while vLLM sleeps are the sizes (handle[1]) of its pool's allocations
+    marked asleep, read from the installed vLLM's own records (a CPU build has no pool: one stands in for it)."""
+    from vllm.device_allocator import cumem
+    from common.vllm_sampler import _released_bytes
+    pool = cumem.CuMemAllocator.__new__(cumem.CuMemAllocator)
+    pool.pointer_to_data = {1: cumem.AllocationData((0, 3 * 2**30, 1, None), "weights", is_asleep=True),
+                            2: cumem.AllocationData((0, 40 * 2**30, 2, None), "kv_cache", is_asleep=True),
+                            3: cumem.AllocationData((0, 5, 3, None), "kv_cache")}
+    monkeypatch.setattr(cumem, "cumem_available", True)
+    monkeypatch.setattr(cumem.CuMemAllocator, "instance", pool)
+    assert _released_bytes() == 43 * 2**30
+    pool.pointer_to_data[1].is_asleep = False  # level 1's weights woken for a sync
+    assert _released_bytes() == 40 * 2**30
