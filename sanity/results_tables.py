@@ -19,6 +19,7 @@ from.
 """
 import glob
 import json
+import math
 import os
 import re
 import sys
@@ -248,12 +249,77 @@ def sampler_table(data: dict) -> str:
     return md_table(["sampler", "batch 64 tok/s", "batch 256 tok/s", "x transformers generate (batch 256)"], rows)
 
 
+def pool_gib(log_path: str) -> float:
+    """The GiB of vLLM's sleep-mode pool, from the first sleep a run's log tells of (its CuMemAllocator line)."""
+    with open(os.path.join(ROOT, log_path), encoding="utf-8") as f:
+        return float(re.search(r"CuMemAllocator: sleep freed ([\d.]+) GiB", f.read()).group(1))
+
+
+def later_mean(steps: list[dict], key: str) -> float:
+    later = steps[1:] or steps
+    return sum(st[key] for st in later) / len(later)
+
+
+def length_table(folder: str, runs: list[tuple[str, str]], pool_counted: bool) -> str:
+    """One row per rl_step benchmark of <folder>/bench/<name>.json: the phases (means over the steps after the first),
+    response tokens a step, and memory. pool_counted: the run's mem/*_peak_gib count vLLM's sleeping pool (before it
+    was left out), whose size its log gives: subtracted here."""
+    rows = []
+    for label, name in runs:
+        steps = read_json(f"{folder}/bench/{name}.json")["rl_step"]["runs"][0]["steps"]
+        pm = phase_means(steps)
+        tokens = later_mean(steps, "train/response_len_mean") * 512
+        pool = pool_gib(f"{folder}/logs/{name}.log") if pool_counted else 0.0
+        rows.append([label, len(steps) - 1 or "none (step 1)",
+                     *(sig(pm[ph]) for ph in ("sample", "recompute", "train")),
+                     f"{sig(pm['step'])} ({sig(pm['step_min'])}-{sig(pm['step_max'])})", f"{tokens:,.0f}",
+                     f"{tokens / pm['step']:,.0f}", f"{pm['sample'] / pm['step']:.0%}",
+                     fixed(later_mean(steps, "mem/train_peak_gib") - pool, 1),
+                     fixed(later_mean(steps, "mem/sample_used_gib"), 1)])
+    return md_table(["responses (64 x 8)", "steps after the first", "sampling s", "recompute s", "training s",
+                     "step s (range)", "response tokens a step", "response tokens/s", "sampling's share",
+                     "training peak GiB", "GPU in use after sampling, GiB"], rows)
+
+
+PHASES = ("sample", "recompute", "train", "sync")
+
+
+def study_cost_table(one: list[dict], scale: tuple[list[dict], list[dict]], scale_step: int, gpus: tuple[int, ...],
+                     runs: tuple[int, ...]) -> str:
+    """The study's cost projected from one GPU's steps (`one`, a benchmark's steps) to more GPUs of one kind: each
+    phase sped up per doubling of the GPUs by what it gained from one GPU to two in `scale` (the metrics rows of the
+    two runs; step `scale_step`), at most 2x (a gain above linear is not extrapolated); the rest of the step (rewards,
+    bookkeeping) not at all. Beside it, the linear bound (the whole step / N). Hours and GPU-hours of `runs` steps."""
+    at = lambda rows: next(r for r in rows if r["step"] == scale_step)  # noqa: E731
+    a, b = at(scale[0]), at(scale[1])
+    gain = {ph: min(2.0, a[f"time/{ph}"] / b[f"time/{ph}"]) for ph in PHASES}
+    t1 = phase_means(one)
+    rest = t1["step"] - sum(t1[ph] for ph in PHASES)
+    factors = md_table(["phase", "1 GPU s (this step)", "1 -> 2 GPUs, measured", "gain per doubling used"],
+                       [[ph, sig(t1[ph]), f"{a[f'time/{ph}'] / b[f'time/{ph}']:.2f}x", f"{gain[ph]:.2f}x"]
+                        for ph in PHASES] + [["rest of the step", sig(rest), "-", "1 (not scaled)"]])
+    rows = []
+    for g, how, s in [(1, "measured", t1["step"])] + [
+            (g, how, s) for g in gpus for how, s in (
+                ("per phase", sum(t1[ph] / gain[ph] ** math.log2(g) for ph in PHASES) + rest),
+                ("linear bound", t1["step"] / g))]:
+        rows.append([str(g), how, sig(s)] + [c for n in runs for c in (fixed(n * s / 3600, 1),
+                                                                        f"{n * s * g / 3600:,.0f}")])
+    head = ["GPUs", "how", "step s"] + [c for n in runs for c in (f"{n:,} steps: hours", "GPU-hours")]
+    return factors + "\n\n" + md_table(head, rows)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the page
 
 def read_json(path: str) -> dict:
     with open(os.path.join(ROOT, path), encoding="utf-8") as f:
         return json.load(f)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def load_runs(experiment: str, runs: list[tuple[str, str]]) -> list[tuple[str, list[dict], dict[int, float]]]:
@@ -266,6 +332,11 @@ WORD_RUNS = [("grpo fp16", "grpo_fp16"), ("grpo bf16", "grpo_bf16"), ("bf16 toke
 
 BUILTIN_RUNS = [("`python grpo.py`", "grpo"), ("`python pg_is.py`", "pg_is"), ("`python gspo.py`", "gspo"),
                 ("`python cispo.py`", "cispo"), ("`python ppo.py`", "ppo")]
+
+LENGTH_RUNS = [("forced to 2,048", "len2048"), ("forced to 4,096", "len4096"), ("forced to 8,192", "len8192"),
+               ("forced to 8,192, `--exact`", "len8192_exact"),
+               ("forced to 8,192, `--vllm-gpu-memory-utilization 0.6`", "len8192_share0.6"),
+               ("real model, up to 8,192 (answers as they come)", "real8192")]
 
 # name -> the table, from its data (paths relative to the repository)
 TABLES = {
@@ -288,6 +359,11 @@ TABLES = {
     "runs_control_1.5b": lambda: control_table(
         load_runs("control_1.5b", [("fp16", "grpo_fp16"), ("fp16 --exact", "grpo_exact_fp16"), ("bf16", "grpo_bf16"),
                                    ("bf16 --exact", "grpo_exact_bf16")]), 61, 80, [0, 40, 80]),
+    "length_8k_h200": lambda: length_table("sanity/results/length_8k_h200", LENGTH_RUNS, pool_counted=True),
+    "study_cost_8k": lambda: study_cost_table(
+        read_json("sanity/results/length_8k_h200/bench/len8192.json")["rl_step"]["runs"][0]["steps"],
+        tuple(read_jsonl(f"sanity/results/scale_1.5b_h100x2/gpu{n}_metrics.jsonl") for n in (1, 2)), 3, (8, 32),
+        (1000, 3000)),
     "bench_real_step": lambda: rl_step_runs_table(read_json("bench/results/h100_real_step.json")),
     "bench_trainer_1.5b": lambda: trainer_table(
         [read_json("bench/results/h100_trainer.json"), read_json("bench/results/h100_trainer_nockpt.json")]),
