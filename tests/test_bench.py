@@ -223,6 +223,17 @@ def test_recompilations_are_read_from_the_log_with_their_guards():
         following = recompile(found, line, 2 if i else 1, following)
     assert len(found) == 1 and found[0]["step"] == 2 and len(found[0]["lines"]) == 3
     assert found[0]["lines"][2].endswith("expected 380, actual 412")
+    prefix = "[rank0]:V1128 07:03:14.819000 7479 torch/_dynamo/guards.py:4760] [1/5] [__recompiles]"  # (torchrun)
+    found, following = [], False
+    for line in [f"{prefix} Recompiling function forward in modeling_qwen2.py:269",
+                 f"{prefix}     triggered by the following guard failure(s):",
+                 f"{prefix}     - 1/4: expected type of 'attention_mask' to be a tensor type, ' but found NoneType",
+                 "[rank0]:[W1128 07:03:15] not a recompilation's line"]:
+        following = recompile(found, line, 3, following)
+    assert found == [{"step": 3, "lines": ["Recompiling function forward in modeling_qwen2.py:269",
+                                           "triggered by the following guard failure(s):",
+                                           "- 1/4: expected type of 'attention_mask' to be a tensor type, ' but found "
+                                           "NoneType"]}]
 
 
 def test_vllm_kv_cache_facts_are_read_from_the_log():
