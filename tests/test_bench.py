@@ -223,7 +223,7 @@ def test_recompilations_are_read_from_the_log_with_their_guards():
         following = recompile(found, line, 2 if i else 1, following)
     assert len(found) == 1 and found[0]["step"] == 2 and len(found[0]["lines"]) == 3
     assert found[0]["lines"][2].endswith("expected 380, actual 412")
-    prefix = "[rank0]:V1128 07:03:14.819000 7479 torch/_dynamo/guards.py:4760] [1/5] [__recompiles]"  # (torchrun)
+    prefix = "[rank0]:V1128 07:03:14.819000 7479 torch/_dynamo/guards.py:4760] [1/5] [__recompiles]"  # (a process group)
     found, following = [], False
     for line in [f"{prefix} Recompiling function forward in modeling_qwen2.py:269",
                  f"{prefix}     triggered by the following guard failure(s):",
