@@ -855,8 +855,8 @@ def bench_rl_step(res: Results, args, model_dir):
 def recompile(found: list[dict], line: str, step: int, following: bool) -> bool:
     """torch.compile's recompilations in a run's log (TORCH_LOGS=recompiles) into `found`: the step it happened in
     and its lines, with the guard failures indented under it (up to 3). `following`: the line before was one of
-    them. Returns whether this line is. With a process group each line
-    carries a prefix (`[rank0]:...`) up to `[__recompiles]`, dropped."""
+    them. Returns whether this line is. With a process group each line carries a prefix (`[rank0]:...`) up to
+    `[__recompiles]`, dropped."""
     text = line.split("[__recompiles]", 1)[1] if "[__recompiles]" in line else line
     if "Recompiling function" in text:
         found.append({"step": step, "lines": [text.strip()]})
