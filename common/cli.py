@@ -161,7 +161,10 @@ def validate(args, world_size: int, **ranges) -> None:
     check_ranges(args, {**RANGES, **ranges})  # before the divisions below, which a 0 would break
     infra = args.infra
     exact_div(args.num_prompts, world_size, "--num-prompts over the ranks (world size)")
-    exact_div(args.num_prompts // world_size, args.num_minibatches, "--num-prompts per rank over --num-minibatches")
+    if (args.num_prompts // world_size) % args.num_minibatches:  # (a mini-batch holds whole groups on every rank)
+        raise ValueError(f"--num-prompts {args.num_prompts} over {world_size} ranks leaves "
+                         f"{args.num_prompts // world_size} a rank, which --num-minibatches {args.num_minibatches} "
+                         f"does not divide: lower --num-minibatches or raise --num-prompts")
     if args.top_p != 1.0:
         raise ValueError("--top-p must be 1.0 for training rollouts: a truncated distribution makes mu and pi "
                          "incomparable (use --eval-top-p for evaluation)")

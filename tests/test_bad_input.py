@@ -103,6 +103,16 @@ def test_defaults_pass_validate(name, tiny_model_dir):
                              "--eval-every", "0", "--save-every", "0", "--keep-last", "0", "--seed", "0"]), 1)
 
 
+def test_a_rank_share_that_the_mini_batches_cannot_split_is_refused_with_what_to_change():
+    """The study's 64 prompts and 4 mini-batches on 32 GPUs: 2 prompts a rank, which 4 mini-batches cannot split."""
+    m = script("grpo.py")
+    m.validate(m.parse_args(["--num-prompts", "64", "--num-minibatches", "4"]), 16)
+    with pytest.raises(ValueError) as e:
+        m.validate(m.parse_args(["--num-prompts", "64", "--num-minibatches", "4"]), 32)
+    assert str(e.value) == ("--num-prompts 64 over 32 ranks leaves 2 a rank, which --num-minibatches 4 does not "
+                            "divide: lower --num-minibatches or raise --num-prompts")
+
+
 def test_shared_checks_take_a_group_of_one():
     """common/cli.py asks only for a group of at least 1: that a group's mean is the baseline is an algorithm's rule,
     which a script with that baseline adds (GROUP_SIZE) and a fork with another baseline leaves out."""
