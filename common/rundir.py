@@ -117,14 +117,20 @@ class RunDir:
         states = {folder: (model, optimizer, {name: obj.state_dict() for name, obj in state.items()})
                   for folder, (model, optimizer, state) in parts.items()}
         states[""][2]["config"] = self.config  # the settings it was trained with, which a resume is checked against
-        return checkpoint.save_checkpoint(self.checkpoints, step, tokenizer, states,
+        t0 = time.perf_counter()
+        path = checkpoint.save_checkpoint(self.checkpoints, step, tokenizer, states,
                                           rng_state(getattr(sampler, "generator", None)), self.keep_last)
+        if dist.get_rank() == 0:
+            size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+            print(f"[checkpoint] {path}: {size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s", flush=True)
+        return path
 
     def load(self, parts: dict, sampler) -> int:
         """Collective. Restore the parts' optimizers and state objects and the random streams from resume_dir (the
         models are built from it); returns its step (0 without --resume). Damaged state: one line on every rank."""
         if self.resume_dir is None:
             return 0
+        t0 = time.perf_counter()
         for folder, (model, optimizer, state) in parts.items():
             path = os.path.join(self.resume_dir, folder)
             trainer_state, rank_state = load_training_state(path, model, optimizer)
@@ -145,7 +151,8 @@ class RunDir:
                 error = str(e)
         agree_on_error(error)
         if dist.get_rank() == 0:
-            print(f"[resume] from {self.resume_dir} at step {step}", flush=True)
+            print(f"[resume] from {self.resume_dir} at step {step} (optimizer and state read in "
+                  f"{time.perf_counter() - t0:.1f} s)", flush=True)
         return step
 
 

@@ -3,6 +3,7 @@ resuming on another number of ranks."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -14,11 +15,13 @@ ARGS = ["--num-steps", "3", "--num-prompts", "8", "--group-size", "4", "--eval-e
 KEYS = ["train/accuracy", "train/loss", "mismatch/kl_k3", "optim/grad_norm", "policy/approx_kl", "train/entropy"]
 
 
-def run(run_dir, *extra):
+def run(run_dir, *extra, output=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     p = subprocess.run([sys.executable, "grpo.py", "--run-dir", run_dir, *ARGS, *extra], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
+    if output is not None:
+        output.append(p.stdout + p.stderr)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return {r["step"]: r for r in map(json.loads, f) if "train/accuracy" in r}
 
@@ -29,10 +32,13 @@ def test_same_seed_same_metrics_and_resume_continues_identically(tmp_path):
     for step in (1, 2, 3):  # determinism: the same seed on the same machine
         assert [a[step][k] for k in KEYS] == [b[step][k] for k in KEYS]
     # interrupted after step 2 (its checkpoint), resumed: step 3 as in the uninterrupted run
-    c_dir = str(tmp_path / "c")
-    run(c_dir, "--num-steps", "2")
-    c = run(c_dir, "--resume", "latest")
+    c_dir, logs = str(tmp_path / "c"), []
+    run(c_dir, "--num-steps", "2", output=logs)
+    c = run(c_dir, "--resume", "latest", output=logs)
     assert [a[3][k] for k in KEYS] == [c[3][k] for k in KEYS]
+    # each save and the resume tell their size and time
+    assert re.search(r"\[checkpoint\] \S+step_000002: \d+\.\d\d GB in \d+\.\d s", logs[0])
+    assert re.search(r"\[resume\] from \S+step_000002 at step 2 \(optimizer and state read in \d+\.\d s\)", logs[1])
     other = run(str(tmp_path / "d"), "--seed", "2")
     assert [a[1][k] for k in KEYS] != [other[1][k] for k in KEYS]
 
