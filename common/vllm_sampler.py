@@ -1,5 +1,6 @@
 """The vLLM sampler (docs/samplers.md): an in-process engine per rank beside the trainer, seeded per TP group (never
-per request), weights reloaded in place, asleep while training. vLLM internals: `_model_runner` here, and exact.py's."""
+per request), weights reloaded in place, asleep while training. vLLM internals: `_model_runner` and `_released_bytes`
+here, and exact.py's."""
 import gc
 import importlib.util
 import logging
@@ -18,7 +19,7 @@ logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter
 
 
 def _model_runner(llm):
-    """The one place that reaches into vLLM's internals (in-process engine, V1, as of vLLM 0.25-0.32)."""
+    """The engine's model runner, inside vLLM (in-process engine, V1, as of vLLM 0.25-0.32)."""
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
 
