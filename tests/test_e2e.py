@@ -113,7 +113,7 @@ BAD_DATA = {"empty.jsonl": "", "norow.jsonl": '{"problem": "1+1="}\n', "broken.j
     (["--dataset", "{tmp}/norow.jsonl"], "line 1: missing the answer"),
     (["--dataset", "{tmp}/broken.jsonl"], "line 1: invalid JSON"),
     (["--dataset", "{tmp}/ok.jsonl", "--max-prompt-len", "2"], "all 1 prompts are longer than 2 tokens"),
-    (["--num-prompts", "10", "--num-minibatches", "4"], "not divisible"),
+    (["--num-prompts", "10", "--num-minibatches", "4"], "--num-minibatches 4 does not divide"),
     (["--top-p", "0.9"], "top-p must be 1.0"),
     (["--precision", "fp8"], "fp8"),
     (["--sampler", "vllm"] if importlib.util.find_spec("vllm") is None else ["--vllm-tp", "3"], "vllm"),
