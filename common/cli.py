@@ -162,7 +162,7 @@ def validate(args, world_size: int, **ranges) -> None:
     infra = args.infra
     exact_div(args.num_prompts, world_size, "--num-prompts over the ranks (world size)")
     if (args.num_prompts // world_size) % args.num_minibatches:  # (a mini-batch holds whole groups on every rank)
-        raise ValueError(f"--num-prompts {args.num_prompts} over {world_size} ranks leaves "
+        raise ValueError(f"--num-prompts {args.num_prompts} over {world_size} rank{'s' * (world_size > 1)} leaves "
                          f"{args.num_prompts // world_size} a rank, which --num-minibatches {args.num_minibatches} "
                          f"does not divide: lower --num-minibatches or raise --num-prompts")
     if args.top_p != 1.0:
