@@ -198,6 +198,12 @@ def kl_slope_table(analyses: list[dict]) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # the benchmark's raw results: bench/results/*.json
 
+def later_mean(steps: list[dict], key: str) -> float:
+    """The mean of `key` over the steps after the first (phase_means' steps), or over the only one."""
+    later = steps[1:] or steps
+    return sum(st[key] for st in later) / len(later)
+
+
 def rl_step_runs_table(data: dict) -> str:
     """The whole-step phases of each run of one rl_step benchmark (means over the steps after the first), and the
     step's speed-up over the first run."""
@@ -215,8 +221,8 @@ def rl_step_phases_table(data: dict) -> str:
     """One rl_step run per phase: seconds, PyTorch's peak and the GPU memory in use at the phase's end (means over
     the steps after the first)."""
     steps = data["rl_step"]["steps"]
-    later, means = steps[1:] or steps, phase_means(steps)
-    mem = lambda key: fixed(sum(st[key] for st in later) / len(later), 1)
+    means = phase_means(steps)
+    mem = lambda key: fixed(later_mean(steps, key), 1)  # noqa: E731
     names = {"sample": "sampling (vLLM awake)", "recompute": "recompute",
              "train": "training (4 optimizer steps)", "sync": "weight sync"}
     rows = [[names[ph], sig(means[ph]), mem(f"mem/{ph}_peak_gib"), mem(f"mem/{ph}_used_gib")] for ph in names]
@@ -255,20 +261,16 @@ def pool_gib(log_path: str) -> float:
         return float(re.search(r"CuMemAllocator: sleep freed ([\d.]+) GiB", f.read()).group(1))
 
 
-def later_mean(steps: list[dict], key: str) -> float:
-    later = steps[1:] or steps
-    return sum(st[key] for st in later) / len(later)
-
-
 def length_table(folder: str, runs: list[tuple[str, str]], pool_counted: bool) -> str:
     """One row per rl_step benchmark of <folder>/bench/<name>.json: the phases (means over the steps after the first),
     response tokens a step, and memory. pool_counted: the run's mem/*_peak_gib count vLLM's sleeping pool (before it
     was left out), whose size its log gives: subtracted here."""
     rows = []
     for label, name in runs:
-        steps = read_json(f"{folder}/bench/{name}.json")["rl_step"]["runs"][0]["steps"]
-        pm = phase_means(steps)
-        tokens = later_mean(steps, "train/response_len_mean") * 512
+        run = read_json(f"{folder}/bench/{name}.json")["rl_step"]["runs"][0]
+        steps, pm = run["steps"], phase_means(run["steps"])
+        prompts, group = re.search(r"--num-prompts (\d+) --group-size (\d+)", run["command"]).groups()
+        tokens = later_mean(steps, "train/response_len_mean") * int(prompts) * int(group)
         pool = pool_gib(f"{folder}/logs/{name}.log") if pool_counted else 0.0
         rows.append([label, len(steps) - 1 or "none (step 1)",
                      *(sig(pm[ph]) for ph in ("sample", "recompute", "train")),
@@ -276,7 +278,7 @@ def length_table(folder: str, runs: list[tuple[str, str]], pool_counted: bool) -
                      f"{tokens / pm['step']:,.0f}", f"{pm['sample'] / pm['step']:.0%}",
                      fixed(later_mean(steps, "mem/train_peak_gib") - pool, 1),
                      fixed(later_mean(steps, "mem/sample_used_gib"), 1)])
-    return md_table(["responses (64 x 8)", "steps after the first", "sampling s", "recompute s", "training s",
+    return md_table(["responses", "steps after the first", "sampling s", "recompute s", "training s",
                      "step s (range)", "response tokens a step", "response tokens/s", "sampling's share",
                      "training peak GiB", "GPU in use after sampling, GiB"], rows)
 

@@ -162,7 +162,7 @@ def test_length_and_study_cost_tables_on_synthetic_results(tmp_path, monkeypatch
                          "mem/sample_used_gib": 70.0}
     steps = [step(1, 500.0), step(2, 60.0), step(3, 68.0)]
     with open(tmp_path / "f" / "bench" / "r.json", "w") as f:
-        json.dump({"rl_step": {"runs": [{"steps": steps}]}}, f)
+        json.dump({"rl_step": {"runs": [{"steps": steps, "command": "grpo.py --num-prompts 64 --group-size 8"}]}}, f)
     with open(tmp_path / "f" / "logs" / "r.log", "w") as f:
         f.write("INFO x [cumem.py:271] CuMemAllocator: sleep freed 40.00 GiB memory in total, of which ...\n"
                 "INFO y CuMemAllocator: sleep freed 1.00 GiB\n")
