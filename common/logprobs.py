@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, noop_context_fn
+from transformers.masking_utils import create_causal_mask
 
 
 def _chunk_logprobs(hidden_NH, weight_VH, targets_N, temperature: float, with_entropy: bool):
@@ -87,7 +88,11 @@ def response_hidden(lm: nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL
     seq_len_B, resp_len_B = attention_mask_BL.sum(-1), response_mask_BT.sum(-1)
     pos_L = torch.arange(attention_mask_BL.shape[1], device=attention_mask_BL.device)
     is_resp_BL = (pos_L[None] >= (seq_len_B - resp_len_B)[:, None]) & (pos_L[None] < seq_len_B[:, None])
-    hidden_BLH = lm.model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, use_cache=False).last_hidden_state
+    embeds_BLH = lm.get_input_embeddings()(input_ids_BL)
+    # the model's own mask, never dropped: from the 2-D mask Hugging Face drops that of a micro-batch without padding
+    # (SDPA's is_causal), which under torch.compile is a graph of its own, a recompile at the step that first has one
+    mask = create_causal_mask(lm.config, embeds_BLH, attention_mask_BL, None, allow_is_causal_skip=False)
+    hidden_BLH = lm.model(inputs_embeds=embeds_BLH, attention_mask=mask, use_cache=False).last_hidden_state
     return hidden_BLH[:, :-1][is_resp_BL[:, 1:]], input_ids_BL[:, 1:][is_resp_BL[:, 1:]]
 
 
@@ -121,16 +126,30 @@ def pad_float(rows: list[torch.Tensor], T: int, device) -> torch.Tensor:
     return out.to(device)
 
 
-def split_microbatches(lengths: list[int], token_budget: int, min_count: int = 1) -> list[list[int]]:
-    """Sequence indices, longest first (little padding), in micro-batches whose padded size (rows x longest row) stays
-    within `token_budget` (a longer row alone). At least `min_count` of them: under FSDP every rank must run as many
-    forwards and backwards (each a collective), so the caller passes the maximum over ranks."""
+def _pack(order: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Rows in `order` (longest first), each micro-batch filled while rows x its longest row fits (a longer row alone)."""
     groups = []
-    for i in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+    for i in order:
         if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= token_budget:
             groups[-1].append(i)
         else:
             groups.append([i])
+    return groups
+
+
+def split_microbatches(lengths: list[int], token_budget: int, min_count: int = 1) -> list[list[int]]:
+    """Sequence indices, longest first (little padding), in as few micro-batches as fit `token_budget` (padded size:
+    rows x longest row; a longer row alone), at least `min_count`, and even: packed to the smallest budget that needs
+    no more of them, so that no row or two is left over for the last (under torch.compile a one-row micro-batch, and a
+    small one, is a graph of its own: a recompile at whatever step first has one). `min_count`: under FSDP every rank
+    must run as many forwards and backwards (each a collective), so the caller passes the maximum over ranks."""
+    order = sorted(range(len(lengths)), key=lambda k: -lengths[k])
+    count = max(len(_pack(order, lengths, token_budget)), min_count)
+    lo, hi = 1, max(token_budget, 1)  # the count only falls as the budget grows: bisect for the smallest that fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(_pack(order, lengths, mid)) <= count else (mid + 1, hi)
+    groups = _pack(order, lengths, lo)
     while len(groups) < min_count:  # split the largest group in two (needs min_count <= len(lengths))
         j = max(range(len(groups)), key=lambda k: len(groups[k]))
         if len(groups[j]) < 2:

@@ -88,3 +88,71 @@ def test_split_microbatches_respects_budget_and_min_count():
     forced = split_microbatches(lengths, token_budget=1000, min_count=4)
     assert len(forced) == 4 and sorted(i for g in forced for i in g) == list(range(6))
     assert split_microbatches([100], token_budget=10) == [[0]]  # a longer row alone, not dropped
+
+
+def _greedy_count(lengths, budget):
+    """The fewest micro-batches of longest-first rows that fit `budget` (each row alone past it): the reference."""
+    count, rows, first = 0, 0, 0
+    for n in sorted(lengths, reverse=True):
+        if count and (rows + 1) * first <= budget:
+            rows += 1
+        else:
+            count, rows, first = count + 1, 1, n
+    return count
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_split_microbatches_are_as_few_as_fit_and_even(seed):
+    """As many micro-batches as the budget needs and no more, each within it, but no row or two left over for the last
+    one: under torch.compile a one-row micro-batch, and a small one, is a graph of its own (a recompile at the step
+    that first has one). The budget that is split: the smallest that needs as many."""
+    rng = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(20, 1536, (int(torch.randint(2, 200, (1,), generator=rng)),), generator=rng).tolist()
+    budget = int(torch.randint(1536, 16384, (1,), generator=rng))
+    groups = split_microbatches(lengths, budget)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert len(groups) == _greedy_count(lengths, budget)
+    padded = [len(g) * max(lengths[i] for i in g) for g in groups]
+    assert max(padded) <= budget
+    if len(groups) > 1:  # a smaller budget would need one more: what is split is as even as the sizes allow
+        assert _greedy_count(lengths, max(padded) - 1) > len(groups)
+
+
+def test_split_microbatches_leave_no_row_alone():
+    assert [len(g) for g in split_microbatches([100] * 21, token_budget=1000)] == [7, 7, 7]  # not 10, 10, 1
+    assert [len(g) for g in split_microbatches([100] * 25, token_budget=1000)] == [9, 9, 7]
+    assert sorted(len(g) for g in split_microbatches([100] * 6, token_budget=1000, min_count=4)) == [1, 1, 2, 2]
+
+
+def test_compiled_layers_take_a_micro_batch_without_padding_without_recompiling(tiny_model_dir, monkeypatch):
+    """Under torch.compile (compile_layers, on a GPU) every micro-batch takes one graph per grad mode once the shapes
+    went dynamic: from a 2-D mask, Hugging Face drops the mask of a micro-batch without padding (SDPA's is_causal), and
+    that path was a new graph at whatever step first had one (6-13 s of steps 2 and 3 at 8K on one H200). Dynamo's
+    eager backend: its guards, without inductor's compile time."""
+    import functools
+
+    import torch._dynamo
+    from common.fsdp import compile_layers
+    from common.logprobs import PolicyModel
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
+    model = PolicyModel(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+    compile_layers(model.lm)
+
+    def forward(prompts, responses):
+        with torch.no_grad():
+            logp, _ = model(*collate(prompts, responses, 0, "cpu"), temperature=1.0, chunk_size=4)
+        return logp
+    forward([[4, 5, 6], [7, 8]], [[9, 10], [11]])  # a graph for these shapes,
+    forward([[4, 5, 6, 7], [7, 8], [3]], [[9, 10, 3], [11], [5, 6]])  # then one for any (dynamic) shapes
+    compiled = len(graphs)
+    assert compiled >= 1
+    forward([[4, 5, 6], [7, 8, 9]], [[9, 10], [11, 12]])  # no padding
+    forward([[4, 5], [7, 8, 9], [3, 4], [6]], [[9, 10, 3], [11], [5, 6], [7]])
+    assert len(graphs) == compiled
+    torch._dynamo.reset()
