@@ -46,10 +46,12 @@ def test_policy_model_matches_hf_forward(tiny_model_dir, process_group):
     prompts, responses = [[4, 5, 13], [7, 8, 9, 10, 14]], [[6, 7, 1], [3, 1]]
     ids, attn, rmask = collate(prompts, responses, 0, device)
     logp, _ = model(ids, attn, rmask, temperature=0.8, chunk_size=2)
+    # one row at a time on the CPU against a padded batch, on a GPU where there is one: other kernels, other orders
+    bound = fp32_rounding_bound(AutoConfig.from_pretrained(tiny_model_dir), ids.shape[1], 0, backward=False)
     for b, (p, r) in enumerate(zip(prompts, responses)):
         logits = hf(torch.tensor([p + r])).logits[0].float() / 0.8
         ref = torch.log_softmax(logits, -1)[len(p) - 1:len(p) + len(r) - 1].gather(-1, torch.tensor(r)[:, None])
-        torch.testing.assert_close(logp[b, :len(r)], ref.squeeze(-1), atol=1e-5, rtol=1e-5)
+        assert_close_to_rounding(logp[b, :len(r)].cpu(), ref.squeeze(-1), bound)
         assert (logp[b, len(r):] == 0).all()
 
 
