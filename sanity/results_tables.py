@@ -314,6 +314,30 @@ def study_cost_table(one: list[dict], scale: tuple[list[dict], list[dict]], scal
 # ----------------------------------------------------------------------------------------------------------------
 # the page
 
+def scale_table(data: dict, first: int, last: int) -> str:
+    """One row per run of an rl_step benchmark over several GPU counts (--rl-nproc): each phase's mean over steps
+    first..last, the step's mean with its range, the speed-up over the first run of the same label, rank 0's training
+    peak, and the steps after the first in which torch.compile recompiled."""
+    rows, base = [], {}
+    for r in data["rl_step"]["runs"]:
+        steps = [st for st in r["steps"] if first <= st["step"] <= last]
+        if len(steps) != last - first + 1:
+            raise ValueError(f"{r['label']} on {r['nproc']} GPUs: steps {first}-{last} wanted, "
+                             f"{[st['step'] for st in steps]} found")
+        mean = lambda key: sum(st[key] for st in steps) / len(steps)  # noqa: E731
+        step_s = [st["time/step"] for st in steps]
+        base.setdefault(r["label"], mean("time/step"))
+        late = sorted({c["step"] for c in r.get("recompiles", []) if c["step"] > 1})
+        phases = [sig(mean(f"time/{ph}")) for ph in ("sample", "recompute", "train", "sync")]
+        rows.append([r["label"], str(r["nproc"]), *phases,
+                     f"{sig(mean('time/step'))} ({sig(min(step_s))}-{sig(max(step_s))})",
+                     f"{base[r['label']] / mean('time/step'):.2f}x", fixed(mean("mem/train_peak_gib"), 1),
+                     ", ".join(map(str, late)) or "none"])
+    return md_table(["run", "GPUs", "sampling s", "recompute s", "training s", "weight sync s",
+                     f"step s, mean of {first}-{last} (range)", "speed-up", "training peak GiB (rank 0)",
+                     "recompiled at step"], rows)
+
+
 def read_json(path: str) -> dict:
     with open(os.path.join(ROOT, path), encoding="utf-8") as f:
         return json.load(f)
