@@ -127,7 +127,7 @@ def pad_float(rows: list[torch.Tensor], T: int, device) -> torch.Tensor:
 
 
 def _pack(order: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Rows in `order` (longest first), each micro-batch filled while rows x its longest row fits (a longer row alone)."""
+    """Rows in `order` (longest first), each micro-batch filled while rows x its first row fits (a longer row alone)."""
     groups = []
     for i in order:
         if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= token_budget:
