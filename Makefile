@@ -55,8 +55,9 @@ $(VENV)/.installed: requirements.txt Makefile
 run: install
 	$(PY) grpo.py --overwrite
 
+# --durations: the 20 slowest at the end, to keep CI's time budget (40 minutes in all) in sight
 test: install
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" --durations=20 tests
 
 # the tests marked slow (the tools' end-to-end runs: the sanity gate, the benchmark's vLLM sections, the anatomy;
 # about 4 minutes): outside CI's time budget, run them before a change to sanity/, bench/ or the anatomy lands
