@@ -311,9 +311,6 @@ def study_cost_table(one: list[dict], scale: tuple[list[dict], list[dict]], scal
     return factors + "\n\n" + md_table(head, rows)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the page
-
 def scale_table(data: dict, first: int, last: int) -> str:
     """One row per run of an rl_step benchmark over several GPU counts (--rl-nproc): each phase's mean over steps
     first..last, the step's mean with its range, the speed-up over the first run of the same label, rank 0's training
@@ -337,6 +334,9 @@ def scale_table(data: dict, first: int, last: int) -> str:
                      f"step s, mean of {first}-{last} (range)", "speed-up", "training peak GiB (rank 0)",
                      "recompiled at step"], rows)
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# the page
 
 def read_json(path: str) -> dict:
     with open(os.path.join(ROOT, path), encoding="utf-8") as f:
