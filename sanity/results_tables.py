@@ -286,19 +286,26 @@ def length_table(folder: str, runs: list[tuple[str, str]], pool_counted: bool) -
 PHASES = ("sample", "recompute", "train", "sync")
 
 
-def study_cost_table(one: list[dict], scale: tuple[list[dict], list[dict]], scale_step: int, gpus: tuple[int, ...],
-                     runs: tuple[int, ...]) -> str:
+def study_cost_table(one: list[dict], scale: tuple[list[dict], list[dict]], scale_steps: tuple[int, int],
+                     gpus: tuple[int, ...], runs: tuple[int, ...]) -> str:
     """The study's cost projected from one GPU's steps (`one`, a benchmark's steps) to more GPUs of one kind: each
-    phase sped up per doubling of the GPUs by what it gained from one GPU to two in `scale` (the metrics rows of the
-    two runs; step `scale_step`), at most 2x (a gain above linear is not extrapolated); the rest of the step (rewards,
-    bookkeeping) not at all. Beside it, the linear bound (the whole step / N). Hours and GPU-hours of `runs` steps."""
-    at = lambda rows: next(r for r in rows if r["step"] == scale_step)  # noqa: E731
-    a, b = at(scale[0]), at(scale[1])
-    gain = {ph: min(2.0, a[f"time/{ph}"] / b[f"time/{ph}"]) for ph in PHASES}
+    phase sped up per doubling of the GPUs by what it gained from one GPU to two in `scale` (the steps of the two
+    runs; each phase's mean over steps `scale_steps` = (first, last)), at most 2x (a gain above linear is not
+    extrapolated); the rest of the step (rewards, bookkeeping) not at all. Beside it, the linear bound (the whole
+    step / N). Hours and GPU-hours of `runs` steps."""
+    first, last = scale_steps
+
+    def mean(rows: list[dict], ph: str) -> float:
+        vals = [r[f"time/{ph}"] for r in rows if first <= r["step"] <= last]
+        if len(vals) != last - first + 1:
+            raise ValueError(f"steps {first}-{last} wanted for the 1 -> 2 GPU gains, {len(vals)} found")
+        return sum(vals) / len(vals)
+    a, b = ({ph: mean(rows, ph) for ph in PHASES} for rows in scale)
+    gain = {ph: min(2.0, a[ph] / b[ph]) for ph in PHASES}
     t1 = phase_means(one)
     rest = t1["step"] - sum(t1[ph] for ph in PHASES)
     factors = md_table(["phase", "1 GPU s (this step)", "1 -> 2 GPUs, measured", "gain per doubling used"],
-                       [[ph, sig(t1[ph]), f"{a[f'time/{ph}'] / b[f'time/{ph}']:.2f}x", f"{gain[ph]:.2f}x"]
+                       [[ph, sig(t1[ph]), f"{a[ph] / b[ph]:.2f}x", f"{gain[ph]:.2f}x"]
                         for ph in PHASES] + [["rest of the step", sig(rest), "-", "1 (not scaled)"]])
     rows = []
     for g, how, s in [(1, "measured", t1["step"])] + [
@@ -353,6 +360,13 @@ def load_runs(experiment: str, runs: list[tuple[str, str]]) -> list[tuple[str, l
             for label, name in runs]
 
 
+def scale_runs(experiment: str, names: list[str]) -> dict:
+    """The rl_step runs of several benchmark results of sanity/results/<experiment>/bench (<name>.json), in the order
+    given, as one benchmark's data (scale_table's input): runs on 1, 2, ... GPUs benchmarked one count at a time."""
+    return {"rl_step": {"runs": [r for name in names for r in read_json(
+        f"sanity/results/{experiment}/bench/{name}.json")["rl_step"]["runs"]]}}
+
+
 WORD_RUNS = [("grpo fp16", "grpo_fp16"), ("grpo bf16", "grpo_bf16"), ("bf16 token-tis", "tis_bf16"),
              ("bf16 seq-mis", "mis_bf16"), ("pg_is fp16", "pgis_fp16")]
 
@@ -388,8 +402,9 @@ TABLES = {
     "length_8k_h200": lambda: length_table("sanity/results/length_8k_h200", LENGTH_RUNS, pool_counted=True),
     "study_cost_8k": lambda: study_cost_table(
         read_json("sanity/results/length_8k_h200/bench/len8192.json")["rl_step"]["runs"][0]["steps"],
-        tuple(read_jsonl(f"sanity/results/scale_1.5b_h100x2/gpu{n}_metrics.jsonl") for n in (1, 2)), 3, (8, 32),
-        (1000, 3000)),
+        tuple(read_jsonl(f"sanity/results/scale_1.5b_h100x2/gpu{n}_metrics.jsonl") for n in (1, 2)), (3, 3),
+        (8, 32), (1000, 3000)),
+    "scale_1.5b_h200x2": lambda: scale_table(scale_runs("scale_1.5b_h200x2", ["scale1", "scale2"]), 3, 6),
     "bench_real_step": lambda: rl_step_runs_table(read_json("bench/results/h100_real_step.json")),
     "bench_trainer_1.5b": lambda: trainer_table(
         [read_json("bench/results/h100_trainer.json"), read_json("bench/results/h100_trainer_nockpt.json")]),

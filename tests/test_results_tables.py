@@ -169,14 +169,20 @@ def test_length_and_study_cost_tables_on_synthetic_results(tmp_path, monkeypatch
     row = rt.length_table("f", [("run", "r")], pool_counted=True).split("\n")[2]
     # means of steps 2-3: 64 s sampling, a 100 s step; 51,200 tokens; training peak 52.5 - 40
     assert row == "| run | 2 | 64.0 | 10.0 | 20.0 | 100 (96.0-104) | 51,200 | 512 | 64% | 12.5 | 70.0 |"
-    scale = ([{"step": 3, "time/sample": 6.0, "time/recompute": 4.0, "time/train": 9.0, "time/sync": 1.0}],
-             [{"step": 3, "time/sample": 4.0, "time/recompute": 2.0, "time/train": 3.0, "time/sync": 1.0}])
-    factors, _, projection = rt.study_cost_table(steps, scale, 3, (4,), (1000,)).partition("\n\n")
+    def ph(step, sample, recompute, train):
+        return {"step": step, "time/sample": sample, "time/recompute": recompute, "time/train": train,
+                "time/sync": 1.0}
+    # the gains come from each phase's mean over steps 3-4 (steps 2 and 5 left out): training 9 / 3, sampling 6 / 4
+    scale = ([ph(2, 60.0, 9.0, 1.0), ph(3, 6.0, 4.0, 8.0), ph(4, 6.0, 4.0, 10.0), ph(5, 60.0, 9.0, 1.0)],
+             [ph(2, 1.0, 9.0, 9.0), ph(3, 4.0, 2.0, 2.0), ph(4, 4.0, 2.0, 4.0), ph(5, 1.0, 9.0, 9.0)])
+    factors, _, projection = rt.study_cost_table(steps, scale, (3, 4), (4,), (1000,)).partition("\n\n")
     assert "| train | 20.0 | 3.00x | 2.00x |" in factors and "| rest of the step | 5.00 | - |" in factors
     # 4 GPUs, two doublings: 64 / 1.5^2 + 10 / 2^2 + 20 / 2^2 + 1 + 5 = 41.9 s; linear: 100 / 4
     assert projection.split("\n")[2:] == ["| 1 | measured | 100 | 27.8 | 28 |",
                                            "| 4 | per phase | 41.9 | 11.7 | 47 |",
                                            "| 4 | linear bound | 25.0 | 6.9 | 28 |"]
+    with pytest.raises(ValueError, match="steps 3-6 wanted"):
+        rt.study_cost_table(steps, scale, (3, 6), (4,), (1000,))
 
 
 def test_scale_table_on_synthetic_results():
