@@ -40,9 +40,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: threads that spin while waiting made
@@ -145,6 +147,10 @@ def parse_args(argv=None):
     ap.add_argument("--rl-nproc", type=int, nargs="+", default=[1], metavar="N",
                     help="rl_step: every run on each of these numbers of GPUs of this host, one after the other "
                          "(N > 1 through torchrun --standalone; the same global batch)")
+    ap.add_argument("--rl-final-save", action="store_true",
+                    help="rl_step: let each run write its final checkpoint (by default a run is stopped once its last "
+                         "step's metrics are written: no part of a step, and at 1.5B 21 GB that took 47 s on two "
+                         "H200s)")
     ap.add_argument("--rl-skip", type=int, default=1,
                     help="rl_step: the first steps left out of the means (they carry compilation and graph capture)")
     ap.add_argument("--rl-runs", nargs="+", default=["grpo:"], metavar="LABEL[@DIR]:[ARGS]",
@@ -646,18 +652,41 @@ def sync_seconds(sampler, trainer, dtype, device) -> float:
                for _ in range(3)) / 3
 
 
-def stream(cmd: list[str], cwd: str, on_line, env_default: dict | None = None) -> tuple[int, list[str]]:
+def stream(cmd: list[str], cwd: str, on_line, env_default: dict | None = None,
+           stop_after=None) -> tuple[int, list[str]]:
     """Runs cmd (without torchrun's variables: it is a process group of its own; with `env_default`'s variables where
-    unset), calling on_line on each line of its output as it comes. Returns (its exit status, its last 8 lines)."""
+    unset), calling on_line on each line of its output as it comes. With `stop_after` (a line -> bool): once it is
+    true of a line, cmd and every process it started (its session: torchrun's ranks, their engines) get SIGTERM,
+    SIGKILL 60 s later if they are still there. Returns (its exit status, its last 8 lines)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT")}
     env = {**(env_default or {}), **env}
-    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    tail = []
-    for line in p.stdout:
-        tail = (tail + [line.rstrip()])[-8:]
-        on_line(line.rstrip())
-    return p.wait(), tail
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=stop_after is not None)
+
+    def signal_all(sig):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:  # (all gone already)
+            pass
+    tail, kill = [], None
+    try:
+        for line in p.stdout:  # (read to the end after the stop too: the log keeps how it ended)
+            tail = (tail + [line.rstrip()])[-8:]
+            on_line(line.rstrip())
+            if stop_after is not None and kill is None and stop_after(line.rstrip()):
+                signal_all(signal.SIGTERM)
+                kill = threading.Timer(60, signal_all, (signal.SIGKILL,))
+                kill.daemon = True
+                kill.start()
+        return p.wait(), tail
+    except BaseException:  # (Ctrl-C: its own session does not get the terminal's signal)
+        if stop_after is not None:
+            signal_all(signal.SIGTERM)
+        raise
+    finally:
+        if kill is not None:
+            kill.cancel()
 
 
 def run_child(res: Results, section: str, spec: dict, on_line) -> bool:
@@ -836,12 +865,21 @@ def bench_rl_step(res: Results, args, model_dir):
                 res.write()
                 if res.enabled:
                     shutil.copyfile(metrics_path, stem + "_metrics.jsonl")
-        code, tail = stream(cmd, run["dir"] or ROOT, on_line, {"TORCH_LOGS": "recompiles"})
+        last_line = f"step {args.rl_steps} |"  # (grpo.py prints it after writing the step's metrics)
+
+        def stop_after(line: str) -> bool:
+            if line.startswith(last_line):
+                entry["stopped"] = f"after step {args.rl_steps}: its final checkpoint was not written"
+                return True
+            return False
+        code, tail = stream(cmd, run["dir"] or ROOT, on_line, {"TORCH_LOGS": "recompiles"},
+                            None if args.rl_final_save else stop_after)
         if log:
             log.close()
         entry["wall_s"] = round(time.perf_counter() - t0, 1)
         entry["steps"] = read_steps()
-        if code:
+        shutil.rmtree(work, ignore_errors=True)  # (its checkpoints: 21 GB a run at 1.5B; the metrics are kept)
+        if code and not entry.get("stopped"):
             res.note(f"rl_step {label}: grpo.py exited {code}; its last lines: " + " | ".join(tail))
         unequal = [st["step"] for st in entry["steps"] if st.get("mismatch/unequal_tokens")]
         if "--exact" in run["args"] and unequal:  # the count, not kl_k3 (which rounds tiny differences to 0)
@@ -1089,7 +1127,8 @@ def render_markdown(data: dict) -> str:
             keys = sorted({k for s in steps for k in s if k != "step"},
                           key=lambda k: (order.index(k) if k in order else len(order), not k.startswith("mem/"), k))
             lines += [f"### {r['label']}", "", f"`python {r.get('command')}` ({r.get('code', 'this checkout')}; "
-                      f"{r.get('wall_s')} s wall, with start-up and the final checkpoint)", ""]
+                      f"{r.get('wall_s')} s wall, with start-up" + (f"; stopped {r['stopped']})" if r.get("stopped")
+                                                              else " and the final checkpoint)"), ""]
             if r.get("kv_cache_tokens"):
                 mc = r.get("max_concurrency") or {}
                 lines += [f"vLLM's KV cache: {r['kv_cache_tokens']:,} tokens"

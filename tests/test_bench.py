@@ -16,7 +16,9 @@ BENCH = os.path.join(ROOT, "bench", "benchmark.py")
 
 
 def run(args, tmp_path, launcher=None):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    os.makedirs(tmp_path / "tmp", exist_ok=True)  # (its own temporary directory: the runs' folders are looked for)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "TMPDIR": str(tmp_path / "tmp")}
     cmd = (launcher or [sys.executable]) + [BENCH, "--shape", "tiny", "--out-dir", str(tmp_path / "out"),
                                             "--model-dir", str(tmp_path / "model"), *args]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -74,11 +76,30 @@ def test_every_section_writes_rows_and_a_table(bench_dir):
             assert [json.loads(line)["step"] for line in f if "time/step" in line] == [1, 2]
         with open(f"{stem}.log") as f:
             assert any(line.startswith("step 2 |") for line in f)
+    # each run was stopped once its last step was logged (its final checkpoint is no part of a step), which is no
+    # failure; its folder (checkpoints) is gone, its metrics and log are kept (above)
+    assert all(r["stopped"].startswith("after step 2:") for r in runs)
+    assert not any("exited" in n for n in data["notes"])
+    assert not [d for d in os.listdir(bench_dir / "tmp") if d.startswith("rl-bench-step-")]
     assert any("no CUDA" in n for n in data["notes"])
     for header in ("## Matmul peak", "## Trainer (per GPU)", "MFU train (6N)", "## Log-prob head memory",
                    "## Samplers", "## Weight sync", "## A whole RL step", "| 16 + 64 |", "time/sample",
-                   "### other x2", "| speed-up over base x1 |", "| GPUs |"):
+                   "### other x2", "| speed-up over base x1 |", "| GPUs |",
+                   "stopped after step 2: its final checkpoint was not written)"):
         assert header in md, header
+
+
+def test_rl_final_save_lets_the_run_end(tmp_path):
+    """With --rl-final-save the run is not stopped after its last step: it writes its final checkpoint and ends."""
+    run(["--only", "rl_step", "--precisions", "fp32", "--rl-sampler", "hf", "--rl-final-save", "--name", "save"],
+        tmp_path)
+    data, md = load(tmp_path, "save")
+    (r,) = data["rl_step"]["runs"]
+    assert [s["step"] for s in r["steps"]] == [1, 2] and "stopped" not in r
+    assert not any("exited" in n for n in data["notes"])
+    with open(tmp_path / "out" / "save_rl_grpo.log") as f:
+        assert any(line.startswith("[checkpoint] ") for line in f)
+    assert "with start-up and the final checkpoint" in md
 
 
 def test_trainer_fp16_and_bf16_and_their_ratio(tmp_path):
