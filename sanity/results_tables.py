@@ -286,6 +286,14 @@ def length_table(folder: str, runs: list[tuple[str, str]], pool_counted: bool) -
 PHASES = ("sample", "recompute", "train", "sync")
 
 
+def steps_between(rows: list[dict], first: int, last: int, what: str) -> list[dict]:
+    """The rows of steps first..last, every one of them (else ValueError naming `what`)."""
+    steps = [st for st in rows if first <= st["step"] <= last]
+    if len(steps) != last - first + 1:
+        raise ValueError(f"{what}: steps {first}-{last} wanted, {[st['step'] for st in steps]} found")
+    return steps
+
+
 def study_cost_table(one: list[dict], scale: tuple[list[dict], list[dict]], scale_steps: tuple[int, int],
                      gpus: tuple[int, ...], runs: tuple[int, ...]) -> str:
     """The study's cost projected from one GPU's steps (`one`, a benchmark's steps) to more GPUs of one kind: each
@@ -293,14 +301,10 @@ def study_cost_table(one: list[dict], scale: tuple[list[dict], list[dict]], scal
     runs; each phase's mean over steps `scale_steps` = (first, last)), at most 2x (a gain above linear is not
     extrapolated); the rest of the step (rewards, bookkeeping) not at all. Beside it, the linear bound (the whole
     step / N). Hours and GPU-hours of `runs` steps."""
-    first, last = scale_steps
-
-    def mean(rows: list[dict], ph: str) -> float:
-        vals = [r[f"time/{ph}"] for r in rows if first <= r["step"] <= last]
-        if len(vals) != last - first + 1:
-            raise ValueError(f"steps {first}-{last} wanted for the 1 -> 2 GPU gains, {len(vals)} found")
-        return sum(vals) / len(vals)
-    a, b = ({ph: mean(rows, ph) for ph in PHASES} for rows in scale)
+    def means(rows: list[dict]) -> dict[str, float]:
+        steps = steps_between(rows, *scale_steps, "the 1 -> 2 GPU gains")
+        return {ph: sum(st[f"time/{ph}"] for st in steps) / len(steps) for ph in PHASES}
+    a, b = means(scale[0]), means(scale[1])
     gain = {ph: min(2.0, a[ph] / b[ph]) for ph in PHASES}
     t1 = phase_means(one)
     rest = t1["step"] - sum(t1[ph] for ph in PHASES)
@@ -324,10 +328,7 @@ def scale_table(data: dict, first: int, last: int) -> str:
     peak, and the steps after the first in which torch.compile recompiled."""
     rows, base = [], {}
     for r in data["rl_step"]["runs"]:
-        steps = [st for st in r["steps"] if first <= st["step"] <= last]
-        if len(steps) != last - first + 1:
-            raise ValueError(f"{r['label']} on {r['nproc']} GPUs: steps {first}-{last} wanted, "
-                             f"{[st['step'] for st in steps]} found")
+        steps = steps_between(r["steps"], first, last, f"{r['label']} on {r['nproc']} GPUs")
         mean = lambda key: sum(st[key] for st in steps) / len(steps)  # noqa: E731
         step_s = [st["time/step"] for st in steps]
         base.setdefault(r["label"], mean("time/step"))
