@@ -322,25 +322,67 @@ def study_cost_table(one: list[dict], scale: tuple[list[dict], list[dict]], scal
     return factors + "\n\n" + md_table(head, rows)
 
 
-def scale_table(data: dict, first: int, last: int) -> str:
+def scale_table(data: dict, first: int, last: int, one_base: bool = False) -> str:
     """One row per run of an rl_step benchmark over several GPU counts (--rl-nproc): each phase's mean over steps
-    first..last, the step's mean with its range, the speed-up over the first run of the same label, rank 0's training
-    peak, and the steps after the first in which torch.compile recompiled."""
+    first..last, the step's mean with its range, the speed-up over the first run of the same label (`one_base`: over
+    the table's first run), rank 0's training peak, and the steps after the first in which torch.compile recompiled."""
     rows, base = [], {}
     for r in data["rl_step"]["runs"]:
         steps = steps_between(r["steps"], first, last, f"{r['label']} on {r['nproc']} GPUs")
         mean = lambda key: sum(st[key] for st in steps) / len(steps)  # noqa: E731
         step_s = [st["time/step"] for st in steps]
-        base.setdefault(r["label"], mean("time/step"))
+        who = None if one_base else r["label"]
+        base.setdefault(who, mean("time/step"))
         late = sorted({c["step"] for c in r.get("recompiles", []) if c["step"] > 1})
         phases = [sig(mean(f"time/{ph}")) for ph in ("sample", "recompute", "train", "sync")]
         rows.append([r["label"], str(r["nproc"]), *phases,
                      f"{sig(mean('time/step'))} ({sig(min(step_s))}-{sig(max(step_s))})",
-                     f"{base[r['label']] / mean('time/step'):.2f}x", fixed(mean("mem/train_peak_gib"), 1),
+                     f"{base[who] / mean('time/step'):.2f}x", fixed(mean("mem/train_peak_gib"), 1),
                      ", ".join(map(str, late)) or "none"])
     return md_table(["run", "GPUs", "sampling s", "recompute s", "training s", "weight sync s",
                      f"step s, mean of {first}-{last} (range)", "speed-up", "training peak GiB (rank 0)",
                      "recompiled at step"], rows)
+
+
+def log_figures(path: str, pattern: str) -> list[tuple[str, ...]]:
+    """The groups of each match of `pattern` in the log at `path` (relative to the repository), in order."""
+    with open(os.path.join(ROOT, path), encoding="utf-8", errors="replace") as f:
+        return re.findall(pattern, f.read())
+
+
+def checkpoint_table(folder: str, resumes: list[tuple[str, str, str]]) -> str:
+    """One row per resume (label, the uninterrupted run, the resumed run; <folder>/runs/<name>.jsonl and
+    <folder>/logs/<name>.log): the checkpoint's size and write time (the uninterrupted run's `[checkpoint]` line), the
+    resumed run's read time of the optimizer and state (its `[resume]` line), and the first step after the resume in
+    both runs, uninterrupted / resumed: accuracy, mean response length, loss, gradient norm."""
+    rows = []
+    for label, saved, resumed in resumes:
+        (size, write_s), = log_figures(f"{folder}/logs/{saved}.log", r"\[checkpoint\] \S+: ([\d.]+) GB in ([\d.]+) s")
+        (step, read_s), = log_figures(f"{folder}/logs/{resumed}.log",
+                                      r"\[resume\] from \S+ at step (\d+) \(optimizer and state read in ([\d.]+) s\)")
+        after = int(step) + 1
+        a, = steps_between(read_jsonl(f"{folder}/runs/{saved}.jsonl"), after, after, saved)
+        b, = steps_between(read_jsonl(f"{folder}/runs/{resumed}.jsonl"), after, after, resumed)
+        both = lambda key, f: f"{f(a[key])} / {f(b[key])}"  # noqa: E731
+        rows.append([label, f"{size} GB in {write_s} s", f"{read_s} s", str(after),
+                     both("train/accuracy", lambda x: fixed(x, 4)), both("train/response_len_mean", lambda x: fixed(x, 1)),
+                     both("train/loss", lambda x: sci(x, 4)), both("optim/grad_norm", lambda x: sig(x, 5))])
+    return md_table(["ranks: saved -> resumed", "checkpoint written", "state read", "step", "accuracy",
+                     "mean response length", "loss", "gradient norm"], rows)
+
+
+def exact_count_table(folder: str, runs: list[tuple[str, str]], responses: int) -> str:
+    """One row per --exact run (label, <folder>/runs/<name>.jsonl): its steps, the response tokens they sampled (the
+    mean length times `responses` a step) and how many of their log-probs differed from the sampler's
+    (mismatch/unequal_tokens), and each step's time."""
+    rows = []
+    for label, name in runs:
+        steps = read_jsonl(f"{folder}/runs/{name}.jsonl")
+        tokens = sum(round(st["train/response_len_mean"] * responses) for st in steps)
+        rows.append([label, ", ".join(str(st["step"]) for st in steps), f"{tokens:,}",
+                     f"{sum(st['mismatch/unequal_tokens'] for st in steps):,.0f}",
+                     ", ".join(sig(st["time/step"]) for st in steps)])
+    return md_table(["run", "steps", "response tokens", "log-probs unequal to the sampler's", "step s"], rows)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -379,6 +421,11 @@ LENGTH_RUNS = [("forced to 2,048", "len2048"), ("forced to 4,096", "len4096"), (
                ("forced to 8,192, `--vllm-gpu-memory-utilization 0.6`", "len8192_share0.6"),
                ("real model, up to 8,192 (answers as they come)", "real8192")]
 
+CHECKPOINT_RUNS = [("2 -> 2", "ck2", "r22"), ("2 -> 1", "ck2", "r21"), ("1 -> 2", "ck1", "r12")]
+
+EXACT_RUNS = [("2 ranks", "ck2"), ("1 rank", "ck1"), ("2 ranks, resumed from 2", "r22"),
+              ("1 rank, resumed from 2", "r21"), ("2 ranks, resumed from 1", "r12")]
+
 # name -> the table, from its data (paths relative to the repository)
 TABLES = {
     "builtin_grpo": lambda: eval_table(load_runs("builtin_cpu", [("`eval/eval/accuracy`", "grpo")]),
@@ -406,6 +453,12 @@ TABLES = {
         tuple(read_jsonl(f"sanity/results/scale_1.5b_h100x2/gpu{n}_metrics.jsonl") for n in (1, 2)), (3, 3),
         (8, 32), (1000, 3000)),
     "scale_1.5b_h200x2": lambda: scale_table(scale_runs("scale_1.5b_h200x2", ["scale1", "scale2"]), 3, 6),
+    "options_1.5b_h200x2": lambda: scale_table(
+        {"rl_step": {"runs": [r for name, exp in [("scale2", "scale_1.5b_h200x2"), ("tp2", "multigpu_1.5b_h200x2"),
+                                                   ("offload2", "multigpu_1.5b_h200x2")]
+                              for r in scale_runs(exp, [name])["rl_step"]["runs"]]}}, 2, 4, one_base=True),
+    "checkpoints_1.5b_h200x2": lambda: checkpoint_table("sanity/results/multigpu_1.5b_h200x2", CHECKPOINT_RUNS),
+    "exact_1.5b_h200x2": lambda: exact_count_table("sanity/results/multigpu_1.5b_h200x2", EXACT_RUNS, 64 * 8),
     "bench_real_step": lambda: rl_step_runs_table(read_json("bench/results/h100_real_step.json")),
     "bench_trainer_1.5b": lambda: trainer_table(
         [read_json("bench/results/h100_trainer.json"), read_json("bench/results/h100_trainer_nockpt.json")]),

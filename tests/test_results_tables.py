@@ -201,6 +201,36 @@ def test_scale_table_on_synthetic_results():
     with pytest.raises(ValueError, match="steps 3-6 wanted"):
         scale_table({"rl_step": {"runs": [one]}}, 3, 6)
 
+    rows = scale_table({"rl_step": {"runs": [two, {**one, "label": "other"}]}}, 3, 4, one_base=True).split("\n")[2:]
+    assert [r.split(" | ")[7] for r in rows] == ["1.00x", "0.57x"]  # over the table's first run, whatever its label
+
+
+def test_checkpoint_and_exact_count_tables_on_synthetic_runs(tmp_path):
+    """The checkpoint's size and write time from the saving run's log, the read time and the step resumed from from
+    the resumed run's, the next step of both runs side by side; --exact runs' unequal log-probs summed over steps;
+    a log without its line, or a resumed run without the next step, is an error."""
+    from sanity.results_tables import checkpoint_table, exact_count_table
+    (tmp_path / "logs").mkdir(), (tmp_path / "runs").mkdir()
+    (tmp_path / "logs" / "a.log").write_text("step 2 | x\n[checkpoint] /t/a/step_000002: 21.34 GB in 33.0 s\n")
+    (tmp_path / "logs" / "b.log").write_text("[resume] from /t/a/step_000002 at step 2 (optimizer and state read in "
+                                             "12.7 s)\nstep 3 | x\n")
+    row = lambda s, acc, n: {"step": s, "train/accuracy": acc, "train/response_len_mean": 400.5 + s,
+                             "train/loss": -1.5e-4 * s, "optim/grad_norm": 0.05 + s / 1000,
+                             "mismatch/unequal_tokens": n, "time/step": 10.0 + s}
+    (tmp_path / "runs" / "a.jsonl").write_text("".join(json.dumps(row(s, 0.25, 0)) + "\n" for s in (1, 2, 3)))
+    (tmp_path / "runs" / "b.jsonl").write_text(json.dumps(row(3, 0.5, 2)) + "\n")
+    rows = checkpoint_table(str(tmp_path), [("2 -> 1", "a", "b")]).split("\n")[2:]
+    assert rows == ["| 2 -> 1 | 21.34 GB in 33.0 s | 12.7 s | 3 | 0.2500 / 0.5000 | 403.5 / 403.5 | -4.500e-4 / "
+                    "-4.500e-4 | 0.053000 / 0.053000 |"]
+    rows = exact_count_table(str(tmp_path), [("two", "a"), ("resumed", "b")], 10).split("\n")[2:]
+    assert rows == ["| two | 1, 2, 3 | 12,075 | 0 | 11.0, 12.0, 13.0 |", "| resumed | 3 | 4,035 | 2 | 13.0 |"]
+    (tmp_path / "runs" / "b.jsonl").write_text(json.dumps(row(4, 0.5, 0)) + "\n")
+    with pytest.raises(ValueError, match="steps 3-3 wanted"):
+        checkpoint_table(str(tmp_path), [("2 -> 1", "a", "b")])
+    (tmp_path / "logs" / "b.log").write_text("step 3 | x\n")
+    with pytest.raises(ValueError):
+        checkpoint_table(str(tmp_path), [("2 -> 1", "a", "b")])
+
 
 def test_fill_blocks():
     from sanity.results_tables import fill_blocks
