@@ -1060,10 +1060,12 @@ def render_markdown(data: dict) -> str:
     size = ""
     if params:
         size = f" ({params / 1e9:.2f}B parameters)" if params > 1e8 else f" ({params / 1e6:.2f}M parameters)"
-    lines = [f"# Benchmark: {m.get('shape', '?')} shape (Qwen2.5 layout), random weights{size}", "",
+    title = (f"{m['rl_model']}{size}" if m.get("shape") is None and m.get("rl_model")  # (every section on it)
+             else f"{m.get('shape', '?')} shape (Qwen2.5 layout), random weights{size}")
+    lines = [f"# Benchmark: {title}", "",
              f"GPU: {m.get('gpu')} | ranks: {m.get('ranks')} | torch {m.get('torch')} | transformers "
              f"{m.get('transformers')} | vLLM {m.get('vllm') or 'not installed'} | {m.get('date')}", ""]
-    if m.get("rl_model"):
+    if m.get("rl_model") and m.get("shape") is not None:
         lines += [f"rl_step and vllm_generate ran on {m['rl_model']} (the shape above is the random model of the other "
                   "sections)", ""]
     if data.get("matmul"):
@@ -1194,15 +1196,19 @@ def main(argv=None):
     rank, world_size, device = setup_distributed()
     if world_size > 1 and set(args.only) - {"matmul", "trainer"}:
         raise SystemExit("under torchrun only the matmul and trainer sections run (--only trainer)")
-    model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), f"rl-bench-{args.shape}")
+    # every section asked for on --rl-model: no random model is built (6 GB and seconds at 1.5B, for nothing)
+    own = bool(args.rl_model) and not set(args.only) - {"rl_step", "vllm_generate"}
+    model_dir = args.rl_model if own else (args.model_dir
+                                           or os.path.join(tempfile.gettempdir(), f"rl-bench-{args.shape}"))
     if rank == 0:
         print0(f"[{now()}] model: {model_dir}")
-        build_model_dir(args.shape, model_dir, args.seed)
+        if not own:
+            build_model_dir(args.shape, model_dir, args.seed)
     if world_size > 1:
         dist.barrier()
     n_params = count_params(model_dir)
     name = args.name or (args.shape + (f"_{world_size}gpu" if world_size > 1 else ""))
-    meta = environment(world_size, args.shape, n_params)
+    meta = environment(world_size, None if own else args.shape, n_params)
     if args.rl_model and {"rl_step", "vllm_generate"} & set(args.only):
         meta["rl_model"] = os.path.basename(os.path.normpath(args.rl_model))  # (its name, not where it lives)
     res = Results(args.out_dir, name, meta, enabled=rank == 0)

@@ -89,11 +89,14 @@ def test_every_section_writes_rows_and_a_table(bench_dir):
         assert header in md, header
 
 
-def test_rl_final_save_lets_the_run_end(tmp_path):
-    """With --rl-final-save the run is not stopped after its last step: it writes its final checkpoint and ends."""
-    run(["--only", "rl_step", "--precisions", "fp32", "--rl-sampler", "hf", "--rl-final-save", "--name", "save"],
-        tmp_path)
+def test_rl_final_save_lets_the_run_end(tmp_path, bench_dir):
+    """With --rl-final-save the run is not stopped after its last step: it writes its final checkpoint and ends. On
+    --rl-model alone (every section asked for runs on it) no random model is built, and the page is titled by it."""
+    run(["--only", "rl_step", "--precisions", "fp32", "--rl-sampler", "hf", "--rl-final-save", "--name", "save",
+         "--rl-model", str(bench_dir / "model")], tmp_path)
     data, md = load(tmp_path, "save")
+    assert not (tmp_path / "model").exists() and data["meta"]["shape"] is None
+    assert md.startswith("# Benchmark: model (") and "random weights" not in md
     (r,) = data["rl_step"]["runs"]
     assert [s["step"] for s in r["steps"]] == [1, 2] and "stopped" not in r
     assert not any("exited" in n for n in data["notes"])
