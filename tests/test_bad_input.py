@@ -2,6 +2,7 @@
 out of range, run directories (one run per directory, one at a time), broken model directories, a reward that always
 fails, Ctrl-C. Bad input ends in a one-line error and exit code 2 before any model loads; a fault in exit code 3;
 Ctrl-C in exit code 130 with the step and how to resume (docs/faults.md)."""
+import contextlib
 import fcntl
 import importlib
 import json
@@ -20,6 +21,7 @@ from common.preflight import check_model_dir
 from tasks.rewards import evaluate
 from tasks.rewards import score_rollout
 from conftest import SCRIPTS
+from early_exit import early_exits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -140,9 +142,36 @@ def test_ppo_takes_a_group_of_one():
     m.validate(m.parse_args(["--group-size", "1"]), 1)
 
 
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """{(test, script): (its directory, the run's result)}: each script on a value out of range ("range"), on a
+    directory that holds another run ("old", old_run) and on one whose lock a run in progress holds ("locked": this
+    process holds it while they run), all in one early_exits."""
+    tmp, cases, dirs = tmp_path_factory.mktemp("refused"), [], []
+    for name in SCRIPTS:
+        for test in ("range", "old", "locked"):
+            d = tmp / f"{test}_{name[:-3]}"
+            if test == "range":
+                cases.append((name, ["--run-dir", str(d / "run"), "--max-response-len", "0"]))
+            else:
+                d.mkdir()
+                if test == "old":
+                    old_run(d)
+                cases.append((name, ["--run-dir", str(d), "--num-steps", "1", *SMALL]))
+            dirs.append(((test, name), d))
+    from common.rundir import LOCK_FILE
+    with contextlib.ExitStack() as held:  # the runs in progress in the "locked" directories
+        for (test, _), d in dirs:
+            if test == "locked":
+                f = held.enter_context(open(d / LOCK_FILE, "a"))
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        results = early_exits(cases, str(tmp), ENV)
+    return {key: (d, p) for (key, d), p in zip(dirs, results)}
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_out_of_range_value_exits_2_before_a_model_loads(name, tmp_path):
-    p = run(name, "--run-dir", str(tmp_path / "run"), "--max-response-len", "0")
+def test_out_of_range_value_exits_2_before_a_model_loads(name, refused):
+    _, p = refused["range", name]
     assert_one_line_error(p, 2, "--max-response-len 0")
     assert "Loading weights" not in p.stderr and "[data]" not in p.stdout
 
@@ -164,9 +193,8 @@ def old_run(path):
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_a_new_run_refuses_a_directory_holding_another_run(name, tmp_path):
-    old_run(tmp_path)
-    p = run(name, "--run-dir", str(tmp_path), "--num-steps", "1", *SMALL)
+def test_a_new_run_refuses_a_directory_holding_another_run(name, refused):
+    tmp_path, p = refused["old", name]
     assert_one_line_error(p, 2, f"--run-dir {str(tmp_path)!r} holds another run")
     assert "--resume latest" in p.stderr and "--overwrite" in p.stderr
     assert "Loading weights" not in p.stderr and "[data]" not in p.stdout
@@ -227,11 +255,8 @@ def test_the_lock_of_a_killed_run_does_not_block(tmp_path):
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_a_second_run_in_a_locked_directory_fails_at_once(name, tmp_path):
-    from common.rundir import LOCK_FILE
-    with open(tmp_path / LOCK_FILE, "a") as held:  # a run in progress holds this lock
-        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        p = run(name, "--run-dir", str(tmp_path), "--num-steps", "1", *SMALL)
+def test_a_second_run_in_a_locked_directory_fails_at_once(name, refused):
+    tmp_path, p = refused["locked", name]  # (a run in progress held its lock)
     assert_one_line_error(p, 2, f"--run-dir {str(tmp_path)!r}: another run is using it")
     assert "Loading weights" not in p.stderr and "[data]" not in p.stdout
 
@@ -281,16 +306,26 @@ def test_weights_without_a_tokenizer_are_refused(tiny_model_dir, tmp_path):
         check_model_dir(str(d))
 
 
+@pytest.fixture(scope="module")
+def broken_runs(tiny_model_dir, tmp_path_factory):
+    """{kind: (the broken model directory, grpo.py's result on it)}, both runs in one early_exits."""
+    tmp, dirs = tmp_path_factory.mktemp("broken"), {}
+    for broken in ("truncated", "no tokenizer"):
+        d = shutil.copytree(tiny_model_dir, tmp / broken.replace(" ", "_") / "m")
+        if broken == "truncated":
+            with open(d / "model.safetensors", "r+b") as f:
+                f.truncate(os.path.getsize(d / "model.safetensors") // 2)
+        else:
+            os.remove(d / "tokenizer.json")
+        dirs[broken] = d
+    results = early_exits([("grpo.py", ["--model", str(d), "--run-dir", str(d.parent / "run"), "--reward", "exact",
+                                        "--prompt-template", "{problem}"]) for d in dirs.values()], str(tmp), ENV)
+    return {broken: (d, p) for (broken, d), p in zip(dirs.items(), results)}
+
+
 @pytest.mark.parametrize("broken", ["truncated", "no tokenizer"])
-def test_broken_model_directory_exits_2_before_a_model_loads(tiny_model_dir, tmp_path, broken):
-    d = shutil.copytree(tiny_model_dir, tmp_path / "m")
-    if broken == "truncated":
-        with open(d / "model.safetensors", "r+b") as f:
-            f.truncate(os.path.getsize(d / "model.safetensors") // 2)
-    else:
-        os.remove(d / "tokenizer.json")
-    p = run("grpo.py", "--model", str(d), "--run-dir", str(tmp_path / "run"), "--reward", "exact", "--prompt-template",
-            "{problem}")
+def test_broken_model_directory_exits_2_before_a_model_loads(broken_runs, broken):
+    d, p = broken_runs[broken]
     assert_one_line_error(p, 2, f"--model {str(d)!r}: ")
     assert "Loading weights" not in p.stderr and "[data]" not in p.stdout
 
