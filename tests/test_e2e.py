@@ -4,12 +4,15 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from early_exit import early_exits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--num-steps", "2", "--num-prompts", "8", "--group-size", "4", "--num-minibatches", "2",
@@ -59,10 +62,18 @@ def test_grpo_runs_and_checkpoint_reloads(tmp_path, nproc, extra):
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)  # tied, as the built-in model is
 
 
-def test_training_moves_the_weights_and_resume_continues(tmp_path):
-    run_dir = str(tmp_path / "run")
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """grpo.py with SMALL and nothing else, run once: the run that test_cpu_offload_changes_nothing_on_cpu compares
+    with --cpu-offload and that test_training_moves_the_weights_and_resume_continues resumes (in a copy)."""
+    run_dir = str(tmp_path_factory.mktemp("plain") / "run")
     p = run([sys.executable, "grpo.py", "--run-dir", run_dir, *SMALL])
     assert p.returncode == 0, p.stderr[-3000:]
+    return run_dir
+
+
+def test_training_moves_the_weights_and_resume_continues(tmp_path, plain_run):
+    run_dir = str(shutil.copytree(plain_run, tmp_path / "run"))  # (a copy: the resume adds to it, others read it)
     p = run([sys.executable, "grpo.py", "--run-dir", run_dir, *SMALL, "--num-steps", "3", "--resume", "latest"])
     assert p.returncode == 0, p.stderr[-3000:]
     assert "[resume]" in p.stdout and "step 2" in p.stdout
@@ -74,15 +85,15 @@ def test_training_moves_the_weights_and_resume_continues(tmp_path):
     assert not torch.equal(start.model.embed_tokens.weight, end.model.embed_tokens.weight)
 
 
-def test_cpu_offload_changes_nothing_on_cpu(tmp_path):
+def test_cpu_offload_changes_nothing_on_cpu(tmp_path, plain_run):
     """grpo.py --cpu-offload (FSDP2 CPUOffloadPolicy; on a CPU the weights are already there): the same metrics, step
     for step, and the same checkpoint as without, through the weight sync, evaluation and the checkpoint's gathers."""
     keys = ["train/accuracy", "train/loss", "mismatch/kl_k3", "optim/grad_norm", "policy/approx_kl", "train/entropy"]
     metrics, weights = {}, {}
-    for name, extra in (("plain", []), ("offload", ["--cpu-offload"])):
-        run_dir = str(tmp_path / name)
-        p = run([sys.executable, "grpo.py", "--run-dir", run_dir, *SMALL, *extra])
-        assert p.returncode == 0, p.stderr[-3000:]
+    for name, run_dir in (("plain", plain_run), ("offload", str(tmp_path / "offload"))):
+        if name == "offload":
+            p = run([sys.executable, "grpo.py", "--run-dir", run_dir, *SMALL, "--cpu-offload"])
+            assert p.returncode == 0, p.stderr[-3000:]
         metrics[name] = [[r[k] for k in keys] for r in read_metrics(run_dir) if "train/accuracy" in r]
         path = os.path.join(run_dir, "checkpoints", "step_000002")
         weights[name] = AutoModelForCausalLM.from_pretrained(path).state_dict()
@@ -106,7 +117,7 @@ BAD_DATA = {"empty.jsonl": "", "norow.jsonl": '{"problem": "1+1="}\n', "broken.j
             "ok.jsonl": '{"problem": "1+1=", "answer": "2"}\n'}
 
 
-@pytest.mark.parametrize("args,message", [
+BAD_INPUT = [
     (["--model", "/nonexistent/model"], "no such directory"),
     (["--dataset", "/nonexistent.jsonl"], "no such file"),
     (["--dataset", "{tmp}/empty.jsonl"], "the dataset is empty"),
@@ -117,12 +128,24 @@ BAD_DATA = {"empty.jsonl": "", "norow.jsonl": '{"problem": "1+1="}\n', "broken.j
     (["--top-p", "0.9"], "top-p must be 1.0"),
     (["--precision", "fp8"], "fp8"),
     (["--sampler", "vllm"] if importlib.util.find_spec("vllm") is None else ["--vllm-tp", "3"], "vllm"),
-])
-def test_bad_input_fails_fast_with_a_clear_error(tmp_path, args, message):
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory):
+    """grpo.py on each of BAD_INPUT's command lines (each its own --run-dir), all in one early_exits."""
+    tmp = tmp_path_factory.mktemp("bad_input")
     for name, text in BAD_DATA.items():
-        (tmp_path / name).write_text(text)
-    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    p = run([sys.executable, "grpo.py", "--run-dir", str(tmp_path / "run"), *args])
+        (tmp / name).write_text(text)
+    cases = [("grpo.py", ["--run-dir", str(tmp / f"run{i}"), *[a.replace("{tmp}", str(tmp)) for a in args]])
+             for i, (args, _) in enumerate(BAD_INPUT)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return early_exits(cases, str(tmp), env)
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[" ".join(args) for args, _ in BAD_INPUT])
+def test_bad_input_fails_fast_with_a_clear_error(bad_input_runs, case):
+    p, message = bad_input_runs[case], BAD_INPUT[case][1]
     assert p.returncode == 2
     assert message in p.stderr.lower() if message == "vllm" else message in p.stderr, p.stderr[-2000:]
     assert "Traceback" not in p.stderr
