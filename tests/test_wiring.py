@@ -56,15 +56,37 @@ def test_the_scripts_list_is_read_from_the_tree(tmp_path):
     assert algorithm_scripts(str(tmp_path)) == ["new_algo.py"]
 
 
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """{(script, kind): (its run directory, what tests/wiring.py recorded)}: every run through tests/wiring.py record
+    that the tests of this module read, all in one process (wiring.py records; a start of torch for each took about
+    as long as its run), each with its own --run-dir. kind 'loss': SMALL, token-tis where the script has the
+    corrections; 'recompute' and 'first': one_minibatch's."""
+    tmp, runs = tmp_path_factory.mktemp("recorded"), []
+    for script in SCRIPTS:
+        corrected = "corrections" in fields(script)
+        first = ["--old-logp", "mu"] if "old_logp" in fields(script) else ["--mismatch-from", "first-minibatch"]
+        for kind, flags in (
+                ("loss", [*SMALL, *(["--is-correction", "token-tis", "--is-threshold", "1.5"] if corrected else [])]),
+                ("recompute", [*ONE_MINIBATCH, "--temperature", "0.7"]),
+                ("first", [*ONE_MINIBATCH, "--temperature", "0.7", *first])):
+            d = tmp / f"{script[:-3]}_{kind}"
+            runs.append(((script, kind), d, [str(d / "calls.json"), script, "--run-dir", str(d / "run"), *flags]))
+    with open(tmp / "runs.json", "w") as f:
+        json.dump([cmd for _, _, cmd in runs], f)
+    run([sys.executable, "tests/wiring.py", "records", str(tmp / "runs.json")])
+    out = {}
+    for key, d, _ in runs:
+        with open(d / "calls.json") as f:
+            out[key] = str(d / "run"), json.load(f)
+    return out
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_the_loss_receives_the_weights_and_normalizers_and_train_loss_is_its_mean(tmp_path, script):
+def test_the_loss_receives_the_weights_and_normalizers_and_train_loss_is_its_mean(recorded, script):
     """The scripts with the rollout corrections: token-tis with mu perturbed, so that the weights are not 1."""
     corrected = "corrections" in fields(script)
-    out, run_dir = str(tmp_path / "calls.json"), str(tmp_path / "run")
-    run([sys.executable, "tests/wiring.py", "record", out, script, "--run-dir", run_dir, *SMALL,
-         *(["--is-correction", "token-tis", "--is-threshold", "1.5"] if corrected else [])])
-    with open(out) as f:
-        calls = json.load(f)
+    run_dir, calls = recorded[script, "loss"]
     rows = steps(run_dir)
     per_step = len(calls["loss"]) // len(rows)
     assert per_step >= 2 and len(calls["weights"]) == (len(rows) if corrected else 0)
@@ -86,25 +108,13 @@ def test_the_loss_receives_the_weights_and_normalizers_and_train_loss_is_its_mea
 
 
 @pytest.fixture(scope="module")
-def one_minibatch(tmp_path_factory):
+def one_minibatch(recorded):
     """rows(script, mode): the step of a one-mini-batch run at --temperature 0.7 through tests/wiring.py record (mu
     perturbed), pi_old recomputed (mode 'recompute') or from the first mini-batch's forward ('first'); each run once
-    for the tests that read it. rows.calls(script, mode): what tests/wiring.py recorded in that run."""
-    done = {}
-
-    def once(script, mode):
-        if (script, mode) not in done:
-            first = ["--old-logp", "mu"] if "old_logp" in fields(script) else ["--mismatch-from", "first-minibatch"]
-            d = tmp_path_factory.mktemp(f"{script[:-3]}_{mode}")
-            run([sys.executable, "tests/wiring.py", "record", str(d / "calls.json"), script, "--run-dir",
-                 str(d / "run"), *ONE_MINIBATCH, "--temperature", "0.7", *(first if mode == "first" else [])])
-            with open(d / "calls.json") as f:
-                done[script, mode] = steps(str(d / "run"))[0], json.load(f)
-        return done[script, mode]
-
+    (recorded) for the tests that read it. rows.calls(script, mode): what tests/wiring.py recorded in that run."""
     def rows(script, mode):
-        return once(script, mode)[0]
-    rows.calls = lambda script, mode: once(script, mode)[1]
+        return steps(recorded[script, mode][0])[0]
+    rows.calls = lambda script, mode: recorded[script, mode][1]
     return rows
 
 
@@ -179,22 +189,34 @@ def test_the_training_forward_runs_at_the_sampling_temperature(one_minibatch, sc
     assert row.get("policy/clip_frac", 0) == 0  # (pg_is.py has no clip)
 
 
-@pytest.mark.parametrize("script, script_flags", [(s, []) for s in SCRIPTS] +
-                         [("grpo.py", ["--is-correction", "seq-tis"])],
-                         ids=[s[:-3] for s in SCRIPTS] + ["grpo-seq-tis"])
-def test_one_rank_and_two_give_the_same_gradient_norm_on_the_same_batch(tmp_path, script, script_flags):
+RANK_RUNS = [(s, []) for s in SCRIPTS] + [("grpo.py", ["--is-correction", "seq-tis"])]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """{(script, flags): run directory}: the one-rank side of each RANK_RUNS, tests/wiring.py fixed on a group of one
+    (as torchrun --nproc_per_node=1 makes it), all in one process (wiring.py fixed-each)."""
+    tmp, dirs = tmp_path_factory.mktemp("one_rank"), {}
+    for i, (script, flags) in enumerate(RANK_RUNS):
+        dirs[script, tuple(flags)] = str(tmp / f"run{i}")
+    with open(tmp / "runs.json", "w") as f:
+        json.dump([[script, "--run-dir", d, *ONE_MINIBATCH, *flags] for (script, flags), d in dirs.items()], f)
+    run([sys.executable, "tests/wiring.py", "fixed-each", str(tmp / "runs.json")])
+    return dirs
+
+
+@pytest.mark.parametrize("script, script_flags", RANK_RUNS, ids=[s[:-3] for s in SCRIPTS] + ["grpo-seq-tis"])
+def test_one_rank_and_two_give_the_same_gradient_norm_on_the_same_batch(one_rank, tmp_path, script, script_flags):
     """The normalizer counts the sequences (or tokens) of all ranks and each rank's loss is multiplied by the world
     size (FSDP averages gradients): drop either and 2 ranks give half the gradient of 1. The fixed sampler gives both
     the same global batch, and one mini-batch the same optimizer step (with two, each rank's first mini-batch holds
     its own first prompts: another split of the batch); fp32 summation orders differ, so rel 1e-4 (and abs 1e-7:
     gspo.py's loss at its first update is 0 up to rounding, its ratios 1 and its advantages summing to 0 in each
     group). ppo.py's critic too."""
-    rows = {}
-    for n in (1, 2):
-        run_dir = str(tmp_path / f"ranks{n}")
-        run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "tests/wiring.py",
-             "fixed", script, "--run-dir", run_dir, *ONE_MINIBATCH, *script_flags])
-        rows[n] = steps(run_dir)[0]
+    run_dir = str(tmp_path / "ranks2")
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/wiring.py",
+         "fixed", script, "--run-dir", run_dir, *ONE_MINIBATCH, *script_flags])
+    rows = {1: steps(one_rank[script, tuple(script_flags)])[0], 2: steps(run_dir)[0]}
     keys = [k for k in ("optim/grad_norm", "train/loss", "train/accuracy", "mismatch/kl_k3", "is/weight_mean",
                         "critic/grad_norm", "critic/value_loss") if k in rows[1]]
     assert {"optim/grad_norm", "train/loss", "mismatch/kl_k3"} <= set(keys)
@@ -257,14 +279,28 @@ def test_a_minimum_keeps_its_sign():
     assert (m["test/min"], m["test/max"]) == (-3.0, -1.5)
 
 
+@pytest.fixture(scope="module")
+def collapse_runs(tmp_path_factory):
+    """{script: (run a, run b)}: a, 3 steps with --kl-baseline-steps 1 and a checkpoint each step; b, resumed from a's
+    step 2. Every script's two runs in one process, a before b (wiring.py plain-each: each as `python SCRIPT`)."""
+    flags = [*SMALL, "--num-steps", "3", "--kl-baseline-steps", "1", "--save-every", "1", "--keep-last", "0"]
+    tmp, dirs, runs = tmp_path_factory.mktemp("collapse"), {}, []
+    for script in SCRIPTS:
+        a, b = str(tmp / f"{script[:-3]}_a"), str(tmp / f"{script[:-3]}_b")
+        dirs[script] = a, b
+        runs += [[script, "--run-dir", a, *flags],
+                 [script, "--run-dir", b, *flags, "--resume", os.path.join(a, "checkpoints", "step_000002")]]
+    with open(tmp / "runs.json", "w") as f:
+        json.dump(runs, f)
+    run([sys.executable, "tests/wiring.py", "plain-each", str(tmp / "runs.json")])
+    return dirs
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_the_collapse_monitor_survives_a_resume(tmp_path, script):
+def test_the_collapse_monitor_survives_a_resume(collapse_runs, script):
     """--kl-baseline-steps 1: kl_growth is logged from step 2 on; a run resumed from step 2's checkpoint logs at step
     3 what the uninterrupted run logs (the monitor's baseline and window come back from the checkpoint)."""
-    flags = [*SMALL, "--num-steps", "3", "--kl-baseline-steps", "1", "--save-every", "1", "--keep-last", "0"]
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    run([sys.executable, script, "--run-dir", a, *flags])
-    run([sys.executable, script, "--run-dir", b, *flags, "--resume", os.path.join(a, "checkpoints", "step_000002")])
+    a, b = collapse_runs[script]
     ra, rb = steps(a), steps(b)
     assert "mismatch/kl_growth" in ra[2] and [r["step"] for r in rb] == [3]
     assert rb[0]["mismatch/kl_growth"] == ra[2]["mismatch/kl_growth"]

@@ -1,7 +1,10 @@
 """Runs an algorithm script's main() with what tests/test_wiring.py needs to see inside a step:
 
     python tests/wiring.py record OUT_JSON SCRIPT [args...]   # what the loss received, and what it returned
+    python tests/wiring.py records RUNS_JSON   # several records in this process: a list of [OUT_JSON, SCRIPT, args...]
     torchrun --nproc_per_node N tests/wiring.py fixed SCRIPT [args...]   # a sampler that returns a fixed batch
+    python tests/wiring.py fixed-each RUNS_JSON   # several fixed runs of one rank in this process: [SCRIPT, args...]
+    python tests/wiring.py plain-each RUNS_JSON   # several plain runs (as `python SCRIPT args`) in this process
     python tests/wiring.py each OUT_JSON "SCRIPT args..." ["SCRIPT args..." ...]   # several runs, step 2 as --exact
 
 SCRIPT: grpo.py or a sibling (tests/conftest.py SCRIPTS).
@@ -9,7 +12,8 @@ record: the sampler's mu is perturbed (a seeded +-1 nat per token, as tests/same
 rollout correction's weights are not 1, and every call of the script's policy_loss and of Corrections.weights is
 recorded: the weights and normalizers the loss received (those of its arguments the script's loss has), the loss it
 returned, the weights the correction computed (scripts with the rollout corrections); and which of the optional
-features (exact.py, reward_model.py) the run imported.
+features (exact.py, reward_model.py) the run imported (with records: the runs so far, a list that stays empty only
+while none of them imports either).
 fixed: every rank's sampler answers each prompt with responses that depend on the prompt alone (not on the rank, the
 seed or the weights), with a fixed mu, so that 1 rank and N ranks train on the same global batch.
 each: the runs one after the other in this process (one start-up for all), step 2's recompute skipped as --exact
@@ -76,8 +80,12 @@ def record(out_json: str, script: str, argv: list[str]) -> None:
         calls["weights"].append({"weight_sum": float((w_BT * mask_BT).sum()), "tokens": int(mask_BT.sum())})
         return w_BT
     mod.policy_loss, corrections.Corrections.weights = loss, weights
-    mod.main(mod.parse_args(argv))
-    common.dist.cleanup_distributed()
+    try:
+        mod.main(mod.parse_args(argv))
+    finally:  # as they were, for the next run of this process (records)
+        common.hf_sampler.HFSampler.generate, mod.policy_loss, corrections.Corrections.weights = \
+            generate, loss_fn, weights_fn
+        common.dist.cleanup_distributed()
     # the optional features the run imported (the scripts import exact.py and reward_model.py only when asked)
     calls["imported"] = sorted(name for name in ("exact", "reward_model") if name in sys.modules)
     with open(out_json, "w") as f:
@@ -128,9 +136,22 @@ def fixed(script: str, argv: list[str]) -> None:
 
     def make_sampler(flags, model_path, *a, **k):
         return FixedSampler(AutoTokenizer.from_pretrained(model_path))
+    made = mod.make_sampler
     mod.make_sampler = make_sampler
-    mod.main(mod.parse_args(argv))
-    common.dist.cleanup_distributed()
+    try:
+        mod.main(mod.parse_args(argv))
+    finally:  # as it was, for the next run of this process (fixed-each)
+        mod.make_sampler = made
+        common.dist.cleanup_distributed()
+
+
+def plain(script: str, argv: list[str]) -> None:
+    """The script's run as `python SCRIPT args` makes it (one of several in this process: plain-each)."""
+    mod = script_module(script)
+    try:
+        mod.main(mod.parse_args(argv))
+    finally:
+        common.dist.cleanup_distributed()
 
 
 def each(out_json: str, runs: list[str]) -> None:
@@ -166,6 +187,14 @@ def each(out_json: str, runs: list[str]) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "record":
         record(sys.argv[2], sys.argv[3], sys.argv[4:])
+    elif sys.argv[1] == "records":
+        with open(sys.argv[2]) as f:
+            for out, script, *argv in json.load(f):
+                record(out, script, argv)
+    elif sys.argv[1] in ("fixed-each", "plain-each"):
+        with open(sys.argv[2]) as f:
+            for script, *argv in json.load(f):
+                (fixed if sys.argv[1] == "fixed-each" else plain)(script, argv)
     elif sys.argv[1] == "fixed":
         fixed(sys.argv[2], sys.argv[3:])
     elif sys.argv[1] == "each":
