@@ -143,12 +143,14 @@ def test_ppo_takes_a_group_of_one():
 
 
 @pytest.fixture(scope="module")
-def refused(tmp_path_factory):
+def refused(tmp_path_factory, request):
     """{(test, script): (its directory, the run's result)}: each script on a value out of range ("range"), on a
     directory that holds another run ("old", old_run) and on one whose lock a run in progress holds ("locked": this
-    process holds it while they run), all in one early_exits."""
+    process holds it while they run), all in one early_exits; the scripts of the tests selected only (-k)."""
+    selected = {item.callspec.params["name"] for item in request.session.items
+                if "refused" in getattr(item, "fixturenames", ()) and hasattr(item, "callspec")}
     tmp, cases, dirs = tmp_path_factory.mktemp("refused"), [], []
-    for name in SCRIPTS:
+    for name in [s for s in SCRIPTS if s in selected]:
         for test in ("range", "old", "locked"):
             d = tmp / f"{test}_{name[:-3]}"
             if test == "range":
