@@ -21,6 +21,7 @@ from reward_model import (Learned, LearnedReward, RewardModel, RunningMeanStd, c
 from tasks.reward_model import (accumulate_gradients, bradley_terry_loss, encode_pairs, read_pairs, split_by_prompt,
                                  train_reward_model)
 from conftest import SCRIPTS, assert_close_to_rounding, fp32_rounding_bound
+from early_exit import early_exits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -660,10 +661,18 @@ def assert_one_line_error(p, message):
     assert "Traceback" not in p.stderr
 
 
+@pytest.fixture(scope="module")
+def causal_lm_as_reward_model(tiny_model_dir, tmp_path_factory):
+    """{script: its result with a causal LM (the tiny model) as --reward-model}, all in one early_exits."""
+    tmp = tmp_path_factory.mktemp("causal_lm_rm")
+    results = early_exits([(script, ["--run-dir", str(tmp / f"run_{script[:-3]}"), "--reward-model", tiny_model_dir])
+                           for script in SCRIPTS], str(tmp), ENV)
+    return dict(zip(SCRIPTS, results))
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_every_script_refuses_a_causal_lm_as_reward_model_before_a_model_loads(script, tiny_model_dir, tmp_path):
-    p = subprocess.run([sys.executable, script, "--run-dir", str(tmp_path / "run"), "--reward-model",
-                        tiny_model_dir], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+def test_every_script_refuses_a_causal_lm_as_reward_model_before_a_model_loads(script, causal_lm_as_reward_model):
+    p = causal_lm_as_reward_model[script]
     assert_one_line_error(p, "no scalar head")
     assert "[setup]" not in p.stdout and "[reward]" not in p.stdout
 
