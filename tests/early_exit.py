@@ -1,14 +1,14 @@
-"""Runs algorithm scripts on command lines that must end before any model loads, one after another in this one
-process (one start of torch and transformers for all of them, where a process each took about 10 s of a 2-core
-CPU), for the tests of bad input: early_exits(cases, tmp, env) runs
+"""Runs the repository's scripts on command lines that end soon (bad input that must end before any model loads, a
+tool that only reads and writes files), one after another in this one process: one start of torch and transformers
+for all of them, where a process each took about 10 s of a 2-core CPU. early_exits(cases, tmp, env) runs
 
     python tests/early_exit.py CASES_JSON OUT_JSON
 
-CASES_JSON: a list of [script, [args...]]. Each runs as `python script args...` from the repository's root would
-(runpy: the file run as __main__ with that sys.argv; the exit code is SystemExit's), its output captured at the file
-descriptors 1 and 2 (every writer, whatever stream object it holds). OUT_JSON: a list of {"code", "stdout",
-"stderr"}, in the order of the cases; an exception that escapes is printed with its traceback and exit code 1, as the
-interpreter does."""
+CASES_JSON: a list of [script, [args...]] (script: its path from the repository's root). Each runs as `python
+script args...` from the repository's root would (runpy: the file run as __main__ with that sys.argv; the exit code
+is SystemExit's), its output captured at the file descriptors 1 and 2 (every writer, whatever stream object it
+holds). OUT_JSON: a list of {"code", "stdout", "stderr"}, in the order of the cases; an exception that escapes is
+printed with its traceback and exit code 1, as the interpreter does."""
 import json
 import os
 import runpy

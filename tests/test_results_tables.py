@@ -3,50 +3,63 @@ committed data, a hand edit inside a generated block is caught, a table without 
 the tables' numbers are computed right on tiny synthetic runs and benchmark results."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from early_exit import early_exits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "results.md")
 CONTROL = os.path.join(ROOT, "sanity", "results", "control_1.5b", "README.md")  # the other page with a block
 
 
-def check(*pages):
-    return subprocess.run([sys.executable, "-m", "sanity.results_tables", "--check", "--pages", *map(str, pages)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+ROW = "| now | 8.46 | 0.964 | 3.93 | 0.189 | 13.7 (1.39x) |"  # bench_real_step's block
 
 
-def test_pages_match_committed_data():
-    res = subprocess.run([sys.executable, "-m", "sanity.results_tables", "--check"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)  # the default pages
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """{name: (page written, result)}: the command lines of sanity/results_tables.py that the tests below read, in one
+    process (tests/early_exit.py; starting it imports torch, about 10 s here, for each of six processes before).
+    'default': --check on the default pages; 'page', 'control': --check on docs/results.md, on the control's page
+    alone; 'block': --check on a copy of docs/results.md with a number of a generated block edited, 'prose' with a
+    sentence outside the blocks edited; 'rewrite': no --check, on a copy with the block edited."""
+    tmp = tmp_path_factory.mktemp("results_tables")
+    page = open(PAGE, encoding="utf-8").read()
+    assert page.count(ROW) == 1
+    edits = {"block": page.replace(ROW, ROW.replace("8.46", "8.47")),
+             "prose": page.replace("About 0.3 s per step", "About 0.4 s per step"),
+             "rewrite": page.replace(ROW, ROW.replace("8.46", "8.47"))}
+    for name, text in edits.items():
+        (tmp / f"{name}.md").write_text(text, encoding="utf-8")
+    check = ["--check", "--pages"]
+    cases = {"default": ["--check"], "page": [*check, PAGE], "control": [*check, CONTROL],
+             "block": [*check, str(tmp / "block.md"), CONTROL], "prose": [*check, str(tmp / "prose.md"), CONTROL],
+             "rewrite": ["--pages", str(tmp / "rewrite.md")]}
+    results = early_exits([("sanity/results_tables.py", args) for args in cases.values()], str(tmp), dict(os.environ))
+    return {name: (tmp / f"{name}.md", res) for name, res in zip(cases, results)}
+
+
+def test_pages_match_committed_data(cli):
+    _, res = cli["default"]  # the default pages
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def test_every_table_needs_a_block_on_some_page():
-    res = check(PAGE)  # the control's table has its block on the other page too, but not only there: fine
+def test_every_table_needs_a_block_on_some_page(cli):
+    _, res = cli["page"]  # the control's table has its block on the other page too, but not only there: fine
     assert res.returncode == 0, res.stdout + res.stderr
-    res = check(CONTROL)  # the other page alone lacks the rest
+    _, res = cli["control"]  # the other page alone lacks the rest
     assert res.returncode != 0 and "no generated block for analysis_135m" in res.stderr
 
 
-def test_hand_edit_inside_a_block_is_caught(tmp_path):
-    page = open(PAGE, encoding="utf-8").read()
-    row = "| now | 8.46 | 0.964 | 3.93 | 0.189 | 13.7 (1.39x) |"  # bench_real_step's block
-    assert page.count(row) == 1
-    edited = tmp_path / "results.md"
-    edited.write_text(page.replace(row, row.replace("8.46", "8.47")), encoding="utf-8")
-    res = check(edited, CONTROL)
+def test_hand_edit_inside_a_block_is_caught(cli):
+    _, res = cli["block"]
     assert res.returncode == 1 and "block bench_real_step differs" in res.stdout and res.stdout.count("differs") == 1
     # the prose around the blocks is the page's own: an edit there is not the generator's business
-    edited.write_text(page.replace("About 0.3 s per step", "About 0.4 s per step"), encoding="utf-8")
-    assert check(edited, CONTROL).returncode == 0
+    assert cli["prose"][1].returncode == 0, cli["prose"][1].stdout
     # without --check the block is rewritten from the data and the page is whole again
-    edited.write_text(page.replace(row, row.replace("8.46", "8.47")), encoding="utf-8")
-    subprocess.run([sys.executable, "-m", "sanity.results_tables", "--pages", str(edited)], cwd=ROOT, check=True,
-                   capture_output=True, timeout=300)
-    assert edited.read_text(encoding="utf-8") == page
+    edited, res = cli["rewrite"]
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert edited.read_text(encoding="utf-8") == open(PAGE, encoding="utf-8").read()
 
 
 def write_run(path, accs, kls, seq_mins, evals, warnings=()):
