@@ -141,7 +141,7 @@ def test_grpo_two_steps_on_the_real_model_and_the_analysis(real_model_dir, tmp_p
     out = str(tmp_path / "analysis")
     p = run([sys.executable, "sanity/mismatch_analysis.py", "--model", real_model_dir, "--dataset", data["eval"],
              "--out-dir", out, "--prompt-template", "chat:{problem}", "--max-prompt-len", "96",
-             "--max-response-len", "16", "--num-prompts", "4", "--samples", "2", "--precisions", "fp32", "bf16",
+             "--max-response-len", "8", "--num-prompts", "2", "--samples", "2", "--precisions", "fp32", "bf16",
              "--sampler", "hf"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.load(open(os.path.join(out, "analysis.json")))
