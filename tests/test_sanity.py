@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from early_exit import early_exits
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -350,7 +352,7 @@ def test_gpu_each_gives_every_run_at_once_its_own_gpu(tmp_path):
     assert gate.exists()
 
 
-@pytest.mark.parametrize("args,message", [
+BAD_INPUT = [
     (["--gpu-each", "--nproc-per-node", "2"], "--gpu-each gives each run one GPU"),
     (["--algo-args", "sac=--lr 1"], "expected ALGO=ARGS"),
     (["--algorithms", "sac"], "--algorithms sac: no such algorithm script"),
@@ -358,7 +360,19 @@ def test_gpu_each_gives_every_run_at_once_its_own_gpu(tmp_path):
     (["--window", "0"], "--window"),
     (["--dataset", "/nonexistent.jsonl"], "no such file"),
     (["--script-args", "'unbalanced"], "quotation"),
-])
-def test_run_sanity_bad_input(args, message):
-    p = run([sys.executable, "sanity/run_sanity.py", *args])
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory):
+    """run_sanity.py on each of BAD_INPUT's command lines, in one process (tests/early_exit.py: it imports torch,
+    about 10 s here, for each of the seven processes before)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return early_exits([("sanity/run_sanity.py", args) for args, _ in BAD_INPUT],
+                       str(tmp_path_factory.mktemp("bad_input")), env)
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[" ".join(args) for args, _ in BAD_INPUT])
+def test_run_sanity_bad_input(bad_input_runs, case):
+    p, message = bad_input_runs[case], BAD_INPUT[case][1]
     assert p.returncode == 2 and message in p.stderr, p.stderr[-2000:]
