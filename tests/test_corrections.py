@@ -234,13 +234,25 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize("name", RUNS)
-def test_each_new_flag_runs_on_the_builtin_task(tmp_path, name):
-    script, flags, keys = RUNS[name]
-    p = subprocess.run([sys.executable, script, "--run-dir", str(tmp_path), *SMALL, *flags], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def flag_runs(tmp_path_factory):
+    """{name: run directory}: every RUNS run, one after another in one process (tests/wiring.py plain-each: each as
+    `python SCRIPT args`; a start of torch for each took about as long as its two steps)."""
+    tmp = tmp_path_factory.mktemp("flag_runs")
+    dirs = {name: tmp / name for name in RUNS}
+    with open(tmp / "runs.json", "w") as f:
+        json.dump([[script, "--run-dir", str(dirs[name]), *SMALL, *flags] for name, (script, flags, _) in RUNS.items()],
+                  f)
+    p = subprocess.run([sys.executable, "tests/wiring.py", "plain-each", str(tmp / "runs.json")], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    with open(tmp_path / "metrics.jsonl") as f:
+    return dirs
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_each_new_flag_runs_on_the_builtin_task(flag_runs, name):
+    script, flags, keys = RUNS[name]
+    with open(flag_runs[name] / "metrics.jsonl") as f:
         steps = [r for r in map(json.loads, f) if "train/accuracy" in r]
     assert [r["step"] for r in steps] == [1, 2]
     menu = script in ("grpo.py", "ppo.py")

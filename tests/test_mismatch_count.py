@@ -48,31 +48,44 @@ def test_a_mismatch_over_no_tokens_is_nan_not_zero():
 DRIVER = """
 import importlib, json, sys
 sys.path.insert(0, {root!r})
-import common.cli, common.logprobs
+import common.cli, common.dist, common.logprobs
 common.cli.recompute_due = lambda infra, step, first_step: step != 2  # as --exact skips it, on step 2
 forwards, recompute = [], common.logprobs.recompute_logprobs
 def counted(model, rollout, groups, *a, **k):
     forwards.append(len(groups))
     return recompute(model, rollout, groups, *a, **k)
 common.logprobs.recompute_logprobs = counted
-module = importlib.import_module(sys.argv[1])
-module.main(module.parse_args(sys.argv[2:]))
-print("FORWARDS " + json.dumps(forwards))
+for name, *argv in json.loads(sys.argv[1]):  # one run after another in this process
+    forwards.clear()
+    module = importlib.import_module(name)
+    module.main(module.parse_args(argv))
+    common.dist.cleanup_distributed()
+    print("FORWARDS " + name + " " + json.dumps(forwards), flush=True)
 """
 
 
+@pytest.fixture(scope="module")
+def skipped_recompute(tmp_path_factory):
+    """{script: (its run directory, the recompute's micro-batches at each step)}: every script's run through DRIVER,
+    all in one process (a start of torch for each took about as long as its three steps)."""
+    tmp = tmp_path_factory.mktemp("skipped_recompute")
+    runs = [[script[:-3], "--run-dir", str(tmp / script[:-3]), "--num-steps", "3", "--num-prompts", "8",
+             "--group-size", "4", "--num-minibatches", "2", "--eval-every", "0", "--save-every", "0", "--seed", "3"]
+            for script in SCRIPTS]
+    p = subprocess.run([sys.executable, "-c", DRIVER.format(root=ROOT), json.dumps(runs)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=1200,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    forwards = dict(line.split(" ", 2)[1:] for line in p.stdout.splitlines() if line.startswith("FORWARDS "))
+    return {script: (tmp / script[:-3], json.loads(forwards[script[:-3]])) for script in SCRIPTS}
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_a_skipped_recompute_takes_mu_and_measures_on_the_first_mini_batch(script, tmp_path):
+def test_a_skipped_recompute_takes_mu_and_measures_on_the_first_mini_batch(script, skipped_recompute):
     """Every script, its step 2's recompute skipped as --exact skips it: no recompute micro-batch runs that step, and
     the mismatch count and the entropy come from the first mini-batch's forward (a part of the batch's tokens, on a
     CPU where the fallback sampler's mu differs from the trainer's in most tokens); steps 1 and 3 recompute all."""
-    run_dir = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-c", DRIVER.format(root=ROOT), script[:-3], "--run-dir", str(run_dir),
-                        "--num-steps", "3", "--num-prompts", "8", "--group-size", "4", "--num-minibatches", "2",
-                        "--eval-every", "0", "--save-every", "0", "--seed", "3"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    forwards = json.loads(p.stdout.split("FORWARDS ")[1].splitlines()[0])
+    run_dir, forwards = skipped_recompute[script]
     assert forwards[0] > 0 and forwards[1] == 0 and forwards[2] > 0, forwards
     rows = {r["step"]: r for r in map(json.loads, open(run_dir / "metrics.jsonl")) if "mismatch/kl_k3" in r}
     tokens = {s: r["train/response_len_mean"] * 32 for s, r in rows.items()}  # 8 prompts x 4 responses
