@@ -365,7 +365,8 @@ def checkpoint_table(folder: str, resumes: list[tuple[str, str, str]]) -> str:
         b, = steps_between(read_jsonl(f"{folder}/runs/{resumed}.jsonl"), after, after, resumed)
         both = lambda key, f: f"{f(a[key])} / {f(b[key])}"  # noqa: E731
         rows.append([label, f"{size} GB in {write_s} s", f"{read_s} s", str(after),
-                     both("train/accuracy", lambda x: fixed(x, 4)), both("train/response_len_mean", lambda x: fixed(x, 1)),
+                     both("train/accuracy", lambda x: fixed(x, 4)),
+                     both("train/response_len_mean", lambda x: fixed(x, 1)),
                      both("train/loss", lambda x: sci(x, 4)), both("optim/grad_norm", lambda x: sig(x, 5))])
     return md_table(["ranks: saved -> resumed", "checkpoint written", "state read", "step", "accuracy",
                      "mean response length", "loss", "gradient norm"], rows)
