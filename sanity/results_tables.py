@@ -404,10 +404,10 @@ def load_runs(experiment: str, runs: list[tuple[str, str]]) -> list[tuple[str, l
             for label, name in runs]
 
 
-def scale_runs(experiment: str, names: list[str]) -> dict:
-    """The rl_step runs of several benchmark results of sanity/results/<experiment>/bench (<name>.json), in the order
-    given, as one benchmark's data (scale_table's input): runs on 1, 2, ... GPUs benchmarked one count at a time."""
-    return {"rl_step": {"runs": [r for name in names for r in read_json(
+def scale_runs(*benches: tuple[str, str]) -> dict:
+    """The rl_step runs of several benchmark results, each (experiment, name): sanity/results/<experiment>/bench/
+    <name>.json, in the order given, as one benchmark's data (scale_table's input): runs benchmarked one at a time."""
+    return {"rl_step": {"runs": [r for experiment, name in benches for r in read_json(
         f"sanity/results/{experiment}/bench/{name}.json")["rl_step"]["runs"]]}}
 
 
@@ -453,11 +453,11 @@ TABLES = {
         read_json("sanity/results/length_8k_h200/bench/len8192.json")["rl_step"]["runs"][0]["steps"],
         tuple(read_jsonl(f"sanity/results/scale_1.5b_h100x2/gpu{n}_metrics.jsonl") for n in (1, 2)), (3, 3),
         (8, 32), (1000, 3000)),
-    "scale_1.5b_h200x2": lambda: scale_table(scale_runs("scale_1.5b_h200x2", ["scale1", "scale2"]), 3, 6),
-    "options_1.5b_h200x2": lambda: scale_table(
-        {"rl_step": {"runs": [r for name, exp in [("scale2", "scale_1.5b_h200x2"), ("tp2", "multigpu_1.5b_h200x2"),
-                                                   ("offload2", "multigpu_1.5b_h200x2")]
-                              for r in scale_runs(exp, [name])["rl_step"]["runs"]]}}, 2, 4, one_base=True),
+    "scale_1.5b_h200x2": lambda: scale_table(
+        scale_runs(("scale_1.5b_h200x2", "scale1"), ("scale_1.5b_h200x2", "scale2")), 3, 6),
+    "options_1.5b_h200x2": lambda: scale_table(scale_runs(
+        ("scale_1.5b_h200x2", "scale2"), ("multigpu_1.5b_h200x2", "tp2"), ("multigpu_1.5b_h200x2", "offload2")),
+        2, 4, one_base=True),
     "checkpoints_1.5b_h200x2": lambda: checkpoint_table("sanity/results/multigpu_1.5b_h200x2", CHECKPOINT_RUNS),
     "exact_1.5b_h200x2": lambda: exact_count_table("sanity/results/multigpu_1.5b_h200x2", EXACT_RUNS, 64 * 8),
     "bench_real_step": lambda: rl_step_runs_table(read_json("bench/results/h100_real_step.json")),
