@@ -282,17 +282,17 @@ def test_a_minimum_keeps_its_sign():
 @pytest.fixture(scope="module")
 def collapse_runs(tmp_path_factory):
     """{script: (run a, run b)}: a, 3 steps with --kl-baseline-steps 1 and a checkpoint each step; b, resumed from a's
-    step 2. Every script's two runs in one process, a before b (wiring.py plain-each: each as `python SCRIPT`)."""
+    step 2. Every script's run a in one process, then every run b in another (wiring.py plain-each: each as `python
+    SCRIPT`), so that the monitor's state can reach b only through the checkpoint."""
     flags = [*SMALL, "--num-steps", "3", "--kl-baseline-steps", "1", "--save-every", "1", "--keep-last", "0"]
-    tmp, dirs, runs = tmp_path_factory.mktemp("collapse"), {}, []
-    for script in SCRIPTS:
-        a, b = str(tmp / f"{script[:-3]}_a"), str(tmp / f"{script[:-3]}_b")
-        dirs[script] = a, b
-        runs += [[script, "--run-dir", a, *flags],
-                 [script, "--run-dir", b, *flags, "--resume", os.path.join(a, "checkpoints", "step_000002")]]
-    with open(tmp / "runs.json", "w") as f:
-        json.dump(runs, f)
-    run([sys.executable, "tests/wiring.py", "plain-each", str(tmp / "runs.json")])
+    tmp = tmp_path_factory.mktemp("collapse")
+    dirs = {script: (str(tmp / f"{script[:-3]}_a"), str(tmp / f"{script[:-3]}_b")) for script in SCRIPTS}
+    resume = {script: ["--resume", os.path.join(a, "checkpoints", "step_000002")] for script, (a, _) in dirs.items()}
+    for side, runs in (("a", [[script, "--run-dir", a, *flags] for script, (a, _) in dirs.items()]),
+                       ("b", [[script, "--run-dir", b, *flags, *resume[script]] for script, (_, b) in dirs.items()])):
+        with open(tmp / f"runs_{side}.json", "w") as f:
+            json.dump(runs, f)
+        run([sys.executable, "tests/wiring.py", "plain-each", str(tmp / f"runs_{side}.json")])
     return dirs
 
 
