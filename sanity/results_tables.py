@@ -23,6 +23,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -324,7 +325,8 @@ def study_cost_table(one: list[dict], scale: tuple[list[dict], list[dict]], scal
 
 def scale_table(data: dict, first: int, last: int, one_base: bool = False) -> str:
     """One row per run of an rl_step benchmark over several GPU counts (--rl-nproc): each phase's mean over steps
-    first..last, the step's mean with its range, the speed-up over the first run of the same label (`one_base`: over
+    first..last (the reward's on rank 0, which holds its wait for the other ranks' samples: the step's first
+    collective), the step's mean with its range, the speed-up over the first run of the same label (`one_base`: over
     the table's first run), rank 0's training peak, and the steps after the first in which torch.compile recompiled."""
     rows, base = [], {}
     for r in data["rl_step"]["runs"]:
@@ -334,14 +336,14 @@ def scale_table(data: dict, first: int, last: int, one_base: bool = False) -> st
         who = None if one_base else r["label"]
         base.setdefault(who, mean("time/step"))
         late = sorted({c["step"] for c in r.get("recompiles", []) if c["step"] > 1})
-        phases = [sig(mean(f"time/{ph}")) for ph in ("sample", "recompute", "train", "sync")]
+        phases = [sig(mean(f"time/{ph}")) for ph in ("sample", "reward", "recompute", "train", "sync")]
         rows.append([r["label"], str(r["nproc"]), *phases,
                      f"{sig(mean('time/step'))} ({sig(min(step_s))}-{sig(max(step_s))})",
                      f"{base[who] / mean('time/step'):.2f}x", fixed(mean("mem/train_peak_gib"), 1),
                      ", ".join(map(str, late)) or "none"])
-    return md_table(["run", "GPUs", "sampling s", "recompute s", "training s", "weight sync s",
-                     f"step s, mean of {first}-{last} (range)", "speed-up", "training peak GiB (rank 0)",
-                     "recompiled at step"], rows)
+    return md_table(["run", "GPUs", "sampling s", "reward s (rank 0, with its wait)", "recompute s", "training s",
+                     "weight sync s", f"step s, mean of {first}-{last} (range)", "speed-up",
+                     "training peak GiB (rank 0)", "recompiled at step"], rows)
 
 
 def log_figures(path: str, pattern: str) -> list[tuple[str, ...]]:
@@ -386,6 +388,14 @@ def exact_count_table(folder: str, runs: list[tuple[str, str]], responses: int) 
     return md_table(["run", "steps", "response tokens", "log-probs unequal to the sampler's", "step s"], rows)
 
 
+def steps_table(runs: list[tuple[str, str]], keys: list[tuple[str, str, Callable[[float], str]]]) -> str:
+    """One row per step of each run (label, a metrics.jsonl relative to sanity/results), one column per key
+    (metric key, header, format), in the runs' order: runs side by side, step by step."""
+    rows = [[label, str(st["step"]), *[f(st[key]) for key, _, f in keys]]
+            for label, path in runs for st in read_jsonl(f"sanity/results/{path}")]
+    return md_table(["run", "step", *[head for _, head, _ in keys]], rows)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the page
 
@@ -404,11 +414,15 @@ def load_runs(experiment: str, runs: list[tuple[str, str]]) -> list[tuple[str, l
             for label, name in runs]
 
 
-def scale_runs(*benches: tuple[str, str]) -> dict:
-    """The rl_step runs of several benchmark results, each (experiment, name): sanity/results/<experiment>/bench/
-    <name>.json, in the order given, as one benchmark's data (scale_table's input): runs benchmarked one at a time."""
-    return {"rl_step": {"runs": [r for experiment, name in benches for r in read_json(
-        f"sanity/results/{experiment}/bench/{name}.json")["rl_step"]["runs"]]}}
+def scale_runs(*benches: tuple[str, ...]) -> dict:
+    """The rl_step runs of several benchmark results, each (experiment, name) or (experiment, name, label):
+    sanity/results/<experiment>/bench/<name>.json, in the order given, as one benchmark's data (scale_table's input):
+    runs benchmarked one at a time. A label replaces the runs' own (--rl-runs names them)."""
+    runs = []
+    for experiment, name, *label in benches:
+        for r in read_json(f"sanity/results/{experiment}/bench/{name}.json")["rl_step"]["runs"]:
+            runs.append({**r, "label": label[0]} if label else r)
+    return {"rl_step": {"runs": runs}}
 
 
 WORD_RUNS = [("grpo fp16", "grpo_fp16"), ("grpo bf16", "grpo_bf16"), ("bf16 token-tis", "tis_bf16"),
@@ -426,6 +440,21 @@ CHECKPOINT_RUNS = [("2 -> 2", "ck2", "r22"), ("2 -> 1", "ck2", "r21"), ("1 -> 2"
 
 EXACT_RUNS = [("2 ranks", "ck2"), ("1 rank", "ck1"), ("2 ranks, resumed from 2", "r22"),
               ("1 rank, resumed from 2", "r21"), ("2 ranks, resumed from 1", "r12")]
+
+SCALE4_RUNS = [("scale_1.5b_h200x4", "scale1", "beside the 2-GPU run"), ("scale_1.5b_h200x4", "scale1b", "alone"),
+               ("scale_1.5b_h200x4", "scale2", "beside the 1-GPU run"), ("scale_1.5b_h200x4", "scale2b", "alone"),
+               ("scale_1.5b_h200x4", "scale4", "alone")]
+
+RERUNS = [("A: uninterrupted", "scale_1.5b_h200x4/runs/ua.jsonl"),
+          ("B: uninterrupted, beside A", "scale_1.5b_h200x4/runs/ub.jsonl"),
+          ("C: uninterrupted, another machine", "multigpu_1.5b_h200x2/runs/ck2.jsonl"),
+          ("C resumed from its step 2", "multigpu_1.5b_h200x2/runs/r22.jsonl")]
+
+RERUN_KEYS = [("train/accuracy", "accuracy", lambda x: fixed(x, 4)),
+              ("train/response_len_mean", "mean response length", lambda x: f"{x:.9g}"),
+              ("train/entropy", "entropy", lambda x: f"{x:.9g}"),
+              ("mismatch/unequal_tokens", "log-probs unequal to the sampler's", lambda x: f"{x:,.0f}"),
+              ("train/loss", "loss", lambda x: sci(x, 5)), ("optim/grad_norm", "gradient norm", lambda x: sig(x, 5))]
 
 # name -> the table, from its data (paths relative to the repository)
 TABLES = {
@@ -458,6 +487,8 @@ TABLES = {
     "options_1.5b_h200x2": lambda: scale_table(scale_runs(
         ("scale_1.5b_h200x2", "scale2"), ("multigpu_1.5b_h200x2", "tp2"), ("multigpu_1.5b_h200x2", "offload2")),
         2, 4, one_base=True),
+    "scale_1.5b_h200x4": lambda: scale_table(scale_runs(*SCALE4_RUNS), 3, 6, one_base=True),
+    "reruns_1.5b": lambda: steps_table(RERUNS, RERUN_KEYS),
     "checkpoints_1.5b_h200x2": lambda: checkpoint_table("sanity/results/multigpu_1.5b_h200x2", CHECKPOINT_RUNS),
     "exact_1.5b_h200x2": lambda: exact_count_table("sanity/results/multigpu_1.5b_h200x2", EXACT_RUNS, 64 * 8),
     "bench_real_step": lambda: rl_step_runs_table(read_json("bench/results/h100_real_step.json")),

@@ -202,20 +202,42 @@ def test_scale_table_on_synthetic_results():
     """Means over the steps asked for (not the first, nor past the last), the speed-up over the same label's first
     run, recompilations after step 1 by step; a run without every step asked for is an error."""
     from sanity.results_tables import scale_table
-    step = lambda s, t: {"step": s, "time/sample": t, "time/recompute": 1.0, "time/train": 2.0, "time/sync": 0.5,
-                         "time/step": t + 3.5, "mem/train_peak_gib": 30.0 + s}
+    step = lambda s, t: {"step": s, "time/sample": t, "time/reward": s / 4, "time/recompute": 1.0, "time/train": 2.0,
+                         "time/sync": 0.5, "time/step": t + 3.5 + s / 4, "mem/train_peak_gib": 30.0 + s}
     one = {"label": "default", "nproc": 1, "steps": [step(s, t) for s, t in [(1, 90), (2, 50), (3, 6), (4, 8)]],
            "recompiles": [{"step": 1}, {"step": 1}]}
     two = {"label": "default", "nproc": 2, "steps": [step(s, t) for s, t in [(1, 90), (2, 50), (3, 2), (4, 3)]],
            "recompiles": [{"step": 1}, {"step": 4}, {"step": 2}, {"step": 4}]}
     rows = scale_table({"rl_step": {"runs": [one, two]}}, 3, 4).split("\n")[2:]
-    assert rows == ["| default | 1 | 7.00 | 1.00 | 2.00 | 0.500 | 10.5 (9.50-11.5) | 1.00x | 33.5 | none |",
-                    "| default | 2 | 2.50 | 1.00 | 2.00 | 0.500 | 6.00 (5.50-6.50) | 1.75x | 33.5 | 2, 4 |"]
+    assert rows == ["| default | 1 | 7.00 | 0.875 | 1.00 | 2.00 | 0.500 | 11.4 (10.2-12.5) | 1.00x | 33.5 | none |",
+                    "| default | 2 | 2.50 | 0.875 | 1.00 | 2.00 | 0.500 | 6.88 (6.25-7.50) | 1.65x | 33.5 | 2, 4 |"]
     with pytest.raises(ValueError, match="steps 3-6 wanted"):
         scale_table({"rl_step": {"runs": [one]}}, 3, 6)
 
     rows = scale_table({"rl_step": {"runs": [two, {**one, "label": "other"}]}}, 3, 4, one_base=True).split("\n")[2:]
-    assert [r.split(" | ")[7] for r in rows] == ["1.00x", "0.57x"]  # over the table's first run, whatever its label
+    assert [r.split(" | ")[8] for r in rows] == ["1.00x", "0.60x"]  # over the table's first run, whatever its label
+
+
+def test_scale_runs_and_steps_table_on_synthetic_results(tmp_path, monkeypatch):
+    """scale_runs joins the runs of several benchmarks in the order given, a third item relabelling a benchmark's
+    runs; steps_table gives every step of each run in order, a column per key in its format."""
+    from sanity import results_tables as rt
+    monkeypatch.setattr(rt, "ROOT", str(tmp_path))
+    for exp, name, labels in [("x", "a", ["p", "q"]), ("y", "b", ["r"])]:
+        os.makedirs(tmp_path / "sanity" / "results" / exp / "bench", exist_ok=True)
+        with open(tmp_path / "sanity" / "results" / exp / "bench" / f"{name}.json", "w") as f:
+            json.dump({"rl_step": {"runs": [{"label": lab, "nproc": i + 1} for i, lab in enumerate(labels)]}}, f)
+    runs = rt.scale_runs(("y", "b"), ("x", "a", "again"))["rl_step"]["runs"]
+    assert [(r["label"], r["nproc"]) for r in runs] == [("r", 1), ("again", 1), ("again", 2)]
+
+    row = lambda s: {"step": s, "train/loss": -1.5e-4 * s, "optim/grad_norm": 0.05 + s / 1000}
+    (tmp_path / "sanity" / "results" / "x" / "u.jsonl").write_text("".join(json.dumps(row(s)) + "\n" for s in (1, 2)))
+    (tmp_path / "sanity" / "results" / "y" / "v.jsonl").write_text(json.dumps(row(5)) + "\n")
+    keys = [("train/loss", "loss", lambda x: rt.sci(x, 3)), ("optim/grad_norm", "norm", lambda x: rt.sig(x, 4))]
+    rows = rt.steps_table([("U", "x/u.jsonl"), ("V", "y/v.jsonl")], keys).split("\n")
+    assert rows[0] == "| run | step | loss | norm |"
+    assert rows[2:] == ["| U | 1 | -1.50e-4 | 0.05100 |", "| U | 2 | -3.00e-4 | 0.05200 |",
+                        "| V | 5 | -7.50e-4 | 0.05500 |"]
 
 
 def test_checkpoint_and_exact_count_tables_on_synthetic_runs(tmp_path):
