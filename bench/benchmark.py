@@ -1062,8 +1062,12 @@ def render_markdown(data: dict) -> str:
         size = f" ({params / 1e9:.2f}B parameters)" if params > 1e8 else f" ({params / 1e6:.2f}M parameters)"
     title = (f"{m['rl_model']}{size}" if m.get("shape") is None and m.get("rl_model")  # (every section on it)
              else f"{m.get('shape', '?')} shape (Qwen2.5 layout), random weights{size}")
+    # the benchmark's own ranks; rl_step's runs are launched with ranks of their own (--rl-nproc)
+    nprocs = sorted({r["nproc"] for r in data.get("rl_step", {}).get("runs", []) if "nproc" in r})
+    ranks = f"{m.get('ranks')}" + (f" (rl_step runs: {', '.join(map(str, nprocs))})"
+                                   if nprocs and nprocs != [m.get("ranks")] else "")
     lines = [f"# Benchmark: {title}", "",
-             f"GPU: {m.get('gpu')} | ranks: {m.get('ranks')} | torch {m.get('torch')} | transformers "
+             f"GPU: {m.get('gpu')} | ranks: {ranks} | torch {m.get('torch')} | transformers "
              f"{m.get('transformers')} | vLLM {m.get('vllm') or 'not installed'} | {m.get('date')}", ""]
     if m.get("rl_model") and m.get("shape") is not None:
         lines += [f"rl_step and vllm_generate ran on {m['rl_model']} (the shape above is the random model of the other "

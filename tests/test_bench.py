@@ -273,6 +273,16 @@ def test_vllm_kv_cache_facts_are_read_from_the_log():
     assert "vLLM's KV cache: 896,112 tokens, 218.78 requests of 4,096 tokens at once" in md
 
 
+def test_header_names_the_rl_step_runs_ranks():
+    """The page's ranks are the benchmark's own; rl_step runs launched on other rank counts are named beside them."""
+    from bench.benchmark import render_markdown
+    runs = [{"label": "scale", "nproc": n, "steps": []} for n in (4, 1, 2)]
+    md = render_markdown({"meta": {"ranks": 1}, "rl_step": {"runs": runs}})
+    assert "| ranks: 1 (rl_step runs: 1, 2, 4) |" in md
+    md = render_markdown({"meta": {"ranks": 1}, "rl_step": {"runs": runs[1:2]}})
+    assert "| ranks: 1 |" in md
+
+
 def test_force_len_needs_vllm(tmp_path):
     p = subprocess.run([sys.executable, BENCH, "--shape", "tiny", "--only", "rl_step", "--rl-sampler", "hf",
                         "--rl-force-len", "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
