@@ -55,9 +55,11 @@ $(VENV)/.installed: requirements.txt Makefile
 run: install
 	$(PY) grpo.py --overwrite
 
-# --durations: the 20 slowest at the end, to keep CI's time budget (40 minutes in all) in sight
+# --durations: the 20 slowest at the end, to keep CI's time budget (40 minutes in all) in sight. -n: pytest-xdist's
+# workers (TEST_WORKERS=0: one process), a file at a time each (tests/conftest.py: the vLLM tests are one unit)
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -m "not slow" --durations=20 tests
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=20 tests
 
 # the tests marked slow (the tools' end-to-end runs: the sanity gate, the benchmark's vLLM sections, the anatomy;
 # about 4 minutes): outside CI's time budget, run them before a change to sanity/, bench/ or the anatomy lands

@@ -20,6 +20,32 @@ def pytest_configure(config):
                             "benchmark's vLLM sections, the anatomy): `make test-slow`, not part of `make test`")
 
 
+# pytest-xdist (`make test`: -n 2 --dist loadfile): a unit of work is a file, so that a file's module-scoped fixtures
+# run once, except that the tests that start vLLM engines (in this process or under torchrun) are one unit, run one
+# after another on one worker: no two engines at once (test_exit.py's check of /dev/shm would see the other's shared
+# memory). (The xdist_group mark of --dist loadgroup cannot do it under pytest 9.2: xdist 3.8 renames node ids by
+# an attribute that pytest no longer reads.) A file, or a file::test.
+VLLM_TESTS = ("test_vllm.py", "test_exit.py::test_no_gloo_thread_or_shared_memory_left_with_vllm",
+              "test_bench.py::test_vllm_generate_on_grpo_batches",
+              "test_mismatch_anatomy.py::test_anatomy_on_cpu_with_vllm",
+              "test_mismatch_anatomy.py::test_probe_and_exact_capture_run_on_cpu_with_vllm")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndVLLM(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            file, _, test = nodeid.partition("::")
+            name = os.path.basename(file)
+            if name in VLLM_TESTS or f"{name}::{test.split('[')[0]}" in VLLM_TESTS:
+                return "vllm"
+            return file
+    return FilesAndVLLM(config, log)
+
+
 CHARS = list("0123456789+=abcdefghijklmnopqrstuvwxyz ")
 
 
