@@ -24,11 +24,20 @@ def pytest_configure(config):
 # run once, except that the tests that start vLLM engines (in this process or under torchrun) are one unit, run one
 # after another on one worker: no two engines at once (test_exit.py's check of /dev/shm would see the other's shared
 # memory). (The xdist_group mark of --dist loadgroup cannot do it under pytest 9.2: xdist 3.8 renames node ids by
-# an attribute that pytest no longer reads.) A file, or a file::test.
+# an attribute that pytest no longer reads.) A file, or a file::test. The GPU files are there too: on a GPU machine
+# their engines share the GPU. Every test skipped without vLLM must be in it (checked at collection, below).
 VLLM_TESTS = ("test_vllm.py", "test_exit.py::test_no_gloo_thread_or_shared_memory_left_with_vllm",
               "test_bench.py::test_vllm_generate_on_grpo_batches",
               "test_mismatch_anatomy.py::test_anatomy_on_cpu_with_vllm",
-              "test_mismatch_anatomy.py::test_probe_and_exact_capture_run_on_cpu_with_vllm")
+              "test_mismatch_anatomy.py::test_probe_and_exact_capture_run_on_cpu_with_vllm",
+              "test_gpu.py", "test_exact_gpu.py")
+NEEDS_VLLM = "vLLM is not installed"  # the skip reason of the tests that start an engine
+
+
+def in_vllm_unit(nodeid: str) -> bool:
+    file, _, test = nodeid.partition("::")
+    name = os.path.basename(file)
+    return name in VLLM_TESTS or f"{name}::{test.split('[')[0]}" in VLLM_TESTS
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -38,12 +47,17 @@ def pytest_xdist_make_scheduler(config, log):
 
     class FilesAndVLLM(LoadFileScheduling):
         def _split_scope(self, nodeid):
-            file, _, test = nodeid.partition("::")
-            name = os.path.basename(file)
-            if name in VLLM_TESTS or f"{name}::{test.split('[')[0]}" in VLLM_TESTS:
-                return "vllm"
-            return file
+            return "vllm" if in_vllm_unit(nodeid) else nodeid.partition("::")[0]
     return FilesAndVLLM(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that needs vLLM (skipped without it) but is not in VLLM_TESTS would run beside another engine: refused."""
+    missing = [item.nodeid for item in items if not in_vllm_unit(item.nodeid) and any(
+        m.kwargs.get("reason") == NEEDS_VLLM for m in item.iter_markers("skipif"))]
+    if missing:
+        raise pytest.UsageError(f"tests skipped without vLLM but not in tests/conftest.py's VLLM_TESTS (so that no "
+                                f"two engines run at once under pytest-xdist): {', '.join(missing)}")
 
 
 CHARS = list("0123456789+=abcdefghijklmnopqrstuvwxyz ")
