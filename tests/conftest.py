@@ -44,6 +44,9 @@ def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
+    if not hasattr(LoadFileScheduling, "_split_scope"):  # (a private method: a later xdist may rename it)
+        raise pytest.UsageError("this pytest-xdist's file scheduler has no _split_scope: the vLLM tests cannot be "
+                                "kept to one worker; run with TEST_WORKERS=0 or pytest-xdist 3.8")
 
     class FilesAndVLLM(LoadFileScheduling):
         def _split_scope(self, nodeid):
